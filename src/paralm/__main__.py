@@ -1,0 +1,5 @@
+import sys
+
+from paralm.cli import main
+
+sys.exit(main())

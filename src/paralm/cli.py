@@ -1,0 +1,134 @@
+"""The `paralm` command: one verb per job, each a thin layer over the library.
+
+Verbs that take a config accept `--config FILE` and any `--section.field=value` override. A
+`UserError` anywhere becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from paralm.errors import USER_ERROR_EXIT_CODE, UserError
+
+Verb = Callable[[argparse.Namespace, list[str]], int]
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.config import load_config
+    from paralm.parallel.launch import launch_local_workers, running_under_launcher
+    from paralm.train.trainer import train
+
+    config = load_config(args.config, overrides)
+    if args.nproc > 1 and not running_under_launcher():
+        from paralm.parallel.dims import ParallelDims
+
+        ParallelDims.from_config(config.parallel, world_size=args.nproc)  # fail before spawning
+        return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides])
+    train(config)
+    return 0
+
+
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.evaluate import evaluate_run
+
+    result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides)
+    print(
+        f"{result.checkpoint}: val loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  "
+        f"({result.tokens:,} tokens)"
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.generate import generate_from_run
+
+    text = generate_from_run(
+        args.run,
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+    )
+    print(text)
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.data.prepare import prepare_dataset
+
+    if overrides:
+        raise UserError(f"`paralm data prepare` takes no config overrides, got {' '.join(overrides)}")
+    summary = prepare_dataset(
+        inputs=args.input,
+        out=args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+    )
+    print(summary)
+    return 0
+
+
+def _config_args(args: argparse.Namespace) -> list[str]:
+    return ["--config", args.config] if args.config else []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paralm",
+        description="Train GPT-style language models with every major parallel strategy.",
+        epilog="Config fields are overridden as --section.field=value, e.g. --train.steps=200.",
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    train = verbs.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)")
+    train.add_argument("--config", help="TOML config file (default: the built-in tiny model)")
+    train.add_argument("--nproc", type=int, default=1, help="local worker processes to start")
+    train.set_defaults(func=_train)
+
+    evaluate = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
+    evaluate.add_argument("--run", required=True, help="run directory")
+    evaluate.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
+    evaluate.set_defaults(func=_eval)
+
+    generate = verbs.add_parser("generate", help="sample text from a run's checkpoint")
+    generate.add_argument("--run", required=True, help="run directory")
+    generate.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
+    generate.add_argument("--prompt", default="\n", help="text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token")
+    generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(func=_generate)
+
+    data = verbs.add_parser("data", help="prepare token shards from text")
+    data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
+    prepare = data_verbs.add_parser("prepare", help="tokenize text files into memory-mapped shards")
+    prepare.add_argument("--input", nargs="+", required=True, help="text files, folders or globs")
+    prepare.add_argument("--out", required=True, help="output directory")
+    prepare.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    prepare.add_argument("--val-fraction", type=float, default=0.1)
+    prepare.set_defaults(func=_data_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        return args.func(args, rest)
+    except UserError as e:
+        print(f"paralm: error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print("paralm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

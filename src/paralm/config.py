@@ -1,0 +1,354 @@
+"""Typed configuration: TOML sections, `--section.field=value` overrides, validation.
+
+Every field is declared once, here, with its type, default and a one-line help. A TOML file and the
+command line both go through `Config.from_dict`, so a wrong field name or type gives the same
+readable error wherever it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paralm.errors import UserError
+from paralm.model import GPTConfig as ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def option(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    """A config field: its default, a one-line help, and optionally the allowed values."""
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class RunConfig:
+    dir: str = option("runs/tiny", "run directory: resolved config, metrics, checkpoints")
+
+
+@dataclass
+class DataConfig:
+    path: str = option("", "directory made by `paralm data prepare`; empty: the embedded default corpus")
+    tokenizer: str = option("byte", "tokenizer for the embedded corpus when data.path is empty", ("byte", "bpe"))
+    bpe_vocab_size: int = option(4096, "BPE vocabulary size for the embedded corpus")
+    val_fraction: float = option(0.1, "share of the token stream held out for validation")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(500, "optimizer steps to reach (a resumed run continues up to it)")
+    micro_batch_size: int = option(16, "sequences per rank per micro-step")
+    grad_accum: int = option(1, "micro-steps per optimizer step")
+    global_batch_size: int = option(
+        0, "sequences per optimizer step; 0: micro_batch_size x grad_accum x dp, else grad_accum follows"
+    )
+    seed: int = option(1337, "seed for initialisation, data order and dropout")
+    optimizer: str = option("adamw", "optimizer", ("adamw", "sgd"))
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = option(20, "steps of linear warm-up from 0 to lr")
+    decay_steps: int = option(
+        500, "step at which the cosine decay reaches min_lr (independent of steps, so runs resume)"
+    )
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices (not on biases, norms)")
+    beta1: float = option(0.9, "AdamW beta1 (SGD momentum)")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "max global gradient norm; 0 disables clipping")
+    eval_every: int = option(100, "evaluate on the validation split every N steps; 0: only at the end")
+    eval_samples: int = option(64, "validation sequences per evaluation")
+    activation_checkpointing: str = option("none", "recompute activations in backward", ("none", "full", "selective"))
+    ac_every: int = option(2, "with selective checkpointing, every k-th block is recomputed")
+
+
+PIPELINE_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = option(-1, "data-parallel degree (dp_replicate x dp_shard); -1: the ranks the others leave")
+    dp_replicate: int = option(1, "replicated data-parallel degree of hybrid sharding; -1: the remainder")
+    dp_shard: int = option(-1, "sharded data-parallel degree; -1: the remainder")
+    zero: int = option(0, "ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters", (0, 1, 2, 3))
+    cpu_offload: bool = option(False, "offload sharded parameters and optimizer state to CPU")
+    tp: int = option(1, "tensor-parallel degree")
+    sequence_parallel: bool = option(False, "shard norms, dropout and residuals along the sequence (tp > 1)")
+    pp: int = option(1, "pipeline-parallel degree (stages)")
+    pp_schedule: str = option("1f1b", "pipeline schedule", PIPELINE_SCHEDULES)
+    pp_microbatches: int = option(0, "micro-batches per pipeline step; 0: pp")
+    pp_virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved and V schedules)")
+    pp_split: list[int] = option([], "layers per stage, overriding the balanced split")
+
+
+@dataclass
+class CommConfig:
+    bucket_mb: float = option(25.0, "gradient bucket size for all-reduce, in MiB")
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = option("fp32", "compute dtype (master weights stay fp32)", ("fp32", "bf16", "fp16"))
+    reduce_dtype: str = option("fp32", "gradient-reduction dtype under sharding", ("fp32", "bf16", "fp16"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = option(0, "save every N steps; 0: only at the end")
+    resume: str = option("auto", "auto: latest checkpoint in run.dir; none; or a checkpoint path")
+    keep: int = option(0, "keep only the newest N checkpoints; 0 keeps all")
+
+
+@dataclass
+class LogConfig:
+    every: int = option(10, "print a line every N steps when the output is not a terminal")
+    tensorboard: bool = option(True, "write TensorBoard events into <run.dir>/tensorboard")
+    progress: bool = option(True, "show a live progress bar on a terminal")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> Config:
+        """Build a config from nested `{section: {field: value}}`, checking names and types."""
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        built = {}
+        for name, values in raw.items():
+            if name not in sections:
+                raise UserError(f"{source}: unknown section [{name}]{_suggest(name, sections)}")
+            if not isinstance(values, dict):
+                raise UserError(f"{source}: [{name}] must be a table of fields")
+            section_cls = typing.get_type_hints(cls)[name]
+            built[name] = _build_section(section_cls, name, values, source)
+        return cls(**built)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML, every field written out."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _build_section(section_cls: type, section: str, values: dict[str, Any], source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    hints = typing.get_type_hints(section_cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise UserError(
+                f"{source}: unknown field {section}.{key}{_suggest(key, fields)}; "
+                f"fields of [{section}]: {', '.join(fields)}"
+            )
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}", source)
+        choices = fields[key].metadata.get("choices")
+        if choices is not None and kwargs[key] not in choices:
+            allowed = " | ".join(str(c) for c in choices)
+            raise UserError(f"{source}: {section}.{key} = {value!r} is not one of {allowed}")
+    return section_cls(**kwargs)
+
+
+def _coerce(value: Any, kind: Any, name: str, source: str) -> Any:
+    """Convert a TOML value or a command-line string to the field's type, or say why not."""
+
+    def fail() -> UserError:
+        return UserError(f"{source}: {name} expects {_type_name(kind)}, got {value!r}")
+
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        for option_kind in typing.get_args(kind):
+            try:
+                return _coerce(value, option_kind, name, source)
+            except UserError:
+                continue
+        raise fail()
+    if origin is list:
+        (item_kind,) = typing.get_args(kind)
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]").replace(" ", "").split(",") if v]
+        if not isinstance(value, list):
+            raise fail()
+        return [_coerce(v, item_kind, name, source) for v in value]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise fail()
+    if kind is int:
+        if isinstance(value, bool):
+            raise fail()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise fail() from None
+        raise fail()
+    if kind is float:
+        if isinstance(value, bool):
+            raise fail()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise fail() from None
+        raise fail()
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise fail()
+    if kind is type(None):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        raise fail()
+    raise TypeError(f"config field {name} has an unsupported type {kind}")
+
+
+def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is list:
+        return f"a list of {_type_name(typing.get_args(kind)[0])}"
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(k) for k in typing.get_args(kind))
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(kind, "none" if kind is type(None) else str(kind))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
+    """`--section.field=value` (or `--section.field value`) pairs to nested strings."""
+    overrides: dict[str, dict[str, str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"unrecognised argument {arg!r}: config overrides look like --section.field=value")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if i + 1 >= len(args):
+                raise UserError(f"--{key} needs a value: --{key}=VALUE")
+            i += 1
+            value = args[i]
+        section, _, name = key.partition(".")
+        overrides.setdefault(section, {})[name] = value
+        i += 1
+    return overrides
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(
+            f"config file {path} does not exist: pass --config with a TOML file, e.g. configs/tiny.toml"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise UserError(f"config file {path} cannot be read: {e.strerror}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """A config from a TOML file (or the defaults) with command-line overrides applied on top."""
+    raw = read_toml(path) if path else {}
+    Config.from_dict(raw, source=str(path or "defaults"))  # name errors in the file point at the file
+    for section, values in parse_overrides(overrides or []).items():
+        raw.setdefault(section, {}).update(values)
+    config = Config.from_dict(raw, source="command line" if overrides else str(path or "defaults"))
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Checks that do not need to know the world size (those live in `paralm.parallel.dims`)."""
+    m, t = config.model, config.train
+    positive = {
+        "model.n_layer": m.n_layer,
+        "model.n_head": m.n_head,
+        "model.d_model": m.d_model,
+        "model.block_size": m.block_size,
+        "model.vocab_size": m.vocab_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.grad_accum": t.grad_accum,
+        "train.eval_samples": t.eval_samples,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise UserError(f"{name} = {value} must be at least 1")
+    nonnegative = {
+        "train.steps": t.steps,
+        "train.warmup_steps": t.warmup_steps,
+        "train.decay_steps": t.decay_steps,
+        "train.eval_every": t.eval_every,
+        "train.global_batch_size": t.global_batch_size,
+        "checkpoint.every": config.checkpoint.every,
+        "checkpoint.keep": config.checkpoint.keep,
+        "train.grad_clip": t.grad_clip,
+        "train.lr": t.lr,
+        "train.min_lr": t.min_lr,
+    }
+    for name, value in nonnegative.items():
+        if value < 0:
+            raise UserError(f"{name} = {value} must not be negative")
+    if m.d_model % m.n_head:
+        raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
+    if not 0 <= m.dropout < 1:
+        raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if not 0 < config.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
+    if config.comm.bucket_mb <= 0:
+        raise UserError(f"comm.bucket_mb = {config.comm.bucket_mb} must be positive")
+    if config.parallel.dp == 0 or config.parallel.dp < -1:
+        raise UserError(f"parallel.dp = {config.parallel.dp} must be a positive degree or -1 (all ranks)")

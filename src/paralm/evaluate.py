@@ -1,0 +1,80 @@
+"""Validation loss and perplexity: inside training, and for a finished run (`paralm eval`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paralm.data.sampler import sample_windows
+from paralm.data.shards import TokenDataset
+from paralm.model import cross_entropy_loss
+from paralm.parallel.runtime import Runtime
+from paralm.train.precision import autocast
+
+# Validation windows come from a stream of their own, so they never depend on training's progress.
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@torch.no_grad()
+def validation_loss(
+    model: nn.Module,
+    dataset: TokenDataset,
+    runtime: Runtime | None,
+    samples: int,
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+    dtype: str,
+) -> tuple[float, int]:
+    """Mean loss over `samples` fixed windows and the number of tokens scored.
+
+    The windows are split over data-parallel ranks and their loss sums added up, so the result is
+    the same for any number of ranks.
+    """
+    windows = sample_windows(seed + EVAL_SEED_OFFSET, 0, samples, dataset.num_windows)
+    if runtime is not None:
+        windows = windows[runtime.dp_rank :: runtime.dims.dp]
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    for start in range(0, len(windows), micro_batch_size):
+        x, y = (t.to(device) for t in dataset.batch(windows[start : start + micro_batch_size]))
+        with autocast(device, dtype):
+            loss = cross_entropy_loss(model(x), y)
+        total += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), dtype=torch.float64, device=device)])
+    model.train(was_training)
+    if runtime is not None:
+        runtime.all_reduce(total)
+    return (total[0] / total[1]).item(), int(total[1].item())
+
+
+@dataclass
+class EvalResult:
+    checkpoint: Path
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+def evaluate_run(run_dir: str, checkpoint: str | None = None, overrides: list[str] | None = None) -> EvalResult:
+    """`paralm eval`: load a run's checkpoint on one process and score the validation split."""
+    from paralm.runs import load_trained_model
+
+    loaded = load_trained_model(run_dir, checkpoint, overrides)
+    config = loaded.config
+    dataset = TokenDataset(loaded.data_dir, "val", config.model.block_size)
+    loss, tokens = validation_loss(
+        loaded.model,
+        dataset,
+        None,
+        config.train.eval_samples,
+        config.train.micro_batch_size,
+        config.train.seed,
+        loaded.device,
+        config.precision.dtype,
+    )
+    return EvalResult(loaded.checkpoint, loss, math.exp(loss), tokens)

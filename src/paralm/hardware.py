@@ -1,0 +1,93 @@
+"""Peak FLOP/s of the device a rank computes on: from a table for known GPUs, measured on CPUs.
+
+MFU divides achieved model FLOP/s by this peak. A CPU has no datasheet figure we can trust (it depends
+on the core count, AVX-512/AMX and the threads torch uses), so we time a large matmul once and cache
+the result per CPU model, thread count and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s.
+# A100 SXM: 312 TFLOP/s bf16/fp16, 19.5 fp32 (156 with TF32); H100 SXM: 989 bf16/fp16, 67 fp32;
+# H200: same compute as H100 SXM.
+GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+}
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where paralm keeps derived files (measured peaks, the prepared default corpus)."""
+    root = os.environ.get("PARALM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "paralm"
+    )
+    return Path(root)
+
+
+def device_peak_flops(device: torch.device, dtype: str) -> float:
+    """Peak FLOP/s of one device for `dtype` (fp32 | bf16 | fp16)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return peaks[dtype]
+        return measure_matmul_flops(device, dtype)
+    return _cached_cpu_peak(dtype)
+
+
+def _cached_cpu_peak(dtype: str) -> float:
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    path = cache_dir() / "cpu_peak_flops.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure_matmul_flops(torch.device("cpu"), dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    return float(cache[key])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(device: torch.device, dtype: str, size: int = 1024, seconds: float = 0.5) -> float:
+    """Best FLOP/s of a square matmul over repeated trials: the practical peak of this device."""
+    a = torch.randn(size, size, device=device, dtype=_DTYPES[dtype])
+    b = torch.randn(size, size, device=device, dtype=_DTYPES[dtype])
+    torch.matmul(a, b)  # warm-up: kernel selection, page faults
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        _synchronize(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        _synchronize(device)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

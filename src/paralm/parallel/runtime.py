@@ -1,0 +1,112 @@
+"""The process's place in the job: rank, device, process group and device mesh.
+
+One process (no launcher) runs without a process group; under `torchrun` or `paralm train --nproc`
+the environment says rank and world size, and the backend follows the device: NCCL on GPUs, gloo
+on CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from paralm.config import ParallelConfig
+from paralm.parallel.dims import MESH_DIMS, ParallelDims
+
+
+@dataclass
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: DeviceMesh | None  # None for a single process
+    dp_mesh: DeviceMesh | None  # dp_replicate x dp_shard flattened: the ranks that see different data
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce over every rank; a no-op for a single process."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def select_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=10)) -> Runtime:
+    """Join the job the launcher set up (if any) and build the mesh for the configured degrees."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    dims = ParallelDims.from_config(parallel, world_size)
+    device = select_device(local_rank)
+    mesh = dp_mesh = None
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            store=_restart_safe_store(rank, world_size, timeout),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        mesh = init_device_mesh(
+            device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=MESH_DIMS
+        )
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return Runtime(rank, local_rank, world_size, device, dims, mesh, dp_mesh)
+
+
+def _restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The launcher's TCP store, with keys prefixed by the restart attempt.
+
+    After an elastic restart the store still holds the previous attempt's keys, and a plain
+    `init_process_group` can read them and hang or fail (seen with gloo); a fresh prefix per attempt
+    starts every rendezvous clean.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def shutdown(runtime: Runtime) -> None:
+    """Leave the job cleanly: a barrier first, or a fast rank's exit can abort a slower one."""
+    if runtime.distributed:
+        dist.barrier()
+        dist.destroy_process_group()

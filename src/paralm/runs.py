@@ -1,0 +1,46 @@
+"""A finished (or running) run's directory: its resolved config, data and checkpoints, loaded back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paralm.config import Config, load_config
+from paralm.data.prepare import dataset_dir
+from paralm.errors import UserError
+from paralm.model import GPT
+from paralm.parallel.runtime import select_device
+from paralm.train.checkpoint import CONFIG_FILE, latest_checkpoint, load_checkpoint, resolve_checkpoint
+
+
+@dataclass
+class TrainedModel:
+    config: Config
+    model: GPT
+    checkpoint: Path
+    data_dir: Path
+    device: torch.device
+
+
+def load_trained_model(
+    run_dir: str | Path, checkpoint: str | None = None, overrides: list[str] | None = None
+) -> TrainedModel:
+    """The model of a run's latest (or a given) checkpoint, on this process's device, in eval mode.
+
+    The config is the one the checkpoint was written with, so the model is rebuilt exactly; overrides
+    may change what does not touch the weights (e.g. --train.eval_samples).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist: pass the run.dir of a training run")
+    path = resolve_checkpoint(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    if path is None:
+        raise UserError(f"{run_dir} has no complete checkpoint yet: train it first (paralm train --run.dir={run_dir})")
+    config = load_config(path / CONFIG_FILE, overrides)
+    device = select_device(0)
+    model = GPT(config.model).to(device)
+    load_checkpoint(path, model)
+    model.eval()
+    return TrainedModel(config, model, path, dataset_dir(config.data), device)

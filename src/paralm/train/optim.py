@@ -1,0 +1,41 @@
+"""Optimizer with weight-decay groups, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from paralm.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """Decay matrices (linear and embedding weights), not biases or LayerNorm gains (as GPT-2/nanoGPT)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=train.lr)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8)
+
+
+def learning_rate(step: int, train: TrainConfig) -> float:
+    """Linear warm-up to `lr`, cosine decay to `min_lr` at `decay_steps`, then `min_lr`.
+
+    The decay length is its own field, not `steps`, so stopping at step 5 and resuming up to step 10
+    follows exactly the schedule of a run that went to step 10 at once.
+    """
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if step >= train.decay_steps:
+        return train.min_lr
+    progress = (step - train.warmup_steps) / max(train.decay_steps - train.warmup_steps, 1)
+    return train.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (train.lr - train.min_lr)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,247 @@
+"""The training loop: the same for every strategy; what differs is composed before it starts.
+
+`train(config)` joins the job, prepares data, builds the plain GPT, parallelizes it, restores the
+latest checkpoint and runs steps. A step is: micro-batches forward and backward (gradients synced
+only on the last), clip, optimizer step, and one metrics row with the loss averaged over the whole
+global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paralm.config import Config
+from paralm.data.prepare import dataset_dir
+from paralm.data.sampler import BatchLayout, sample_windows
+from paralm.data.shards import TokenDataset
+from paralm.errors import UserError
+from paralm.evaluate import validation_loss
+from paralm.hardware import device_peak_flops
+from paralm.model import GPT, cross_entropy_loss
+from paralm.parallel.ddp import gradient_sync
+from paralm.parallel.parallelize import parallelize
+from paralm.parallel.runtime import Runtime, init_runtime, shutdown
+from paralm.train.checkpoint import (
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from paralm.train.metrics import MetricsLogger, peak_memory_bytes
+from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
+from paralm.train.precision import autocast
+
+RESOLVED_CONFIG = "config.toml"
+
+
+def train(config: Config) -> None:
+    runtime = init_runtime(config.parallel)
+    Trainer(config, runtime).fit()
+    shutdown(runtime)  # only on success: after a failure the launcher tears the job down
+
+
+def check_supported(config: Config) -> None:
+    """Reject settings the config knows (the planner models them) but this trainer cannot run yet."""
+    p = config.parallel
+    unsupported = {
+        "parallel.zero": p.zero != 0,
+        "parallel.tp": p.tp != 1,
+        "parallel.pp": p.pp != 1,
+        "parallel.cpu_offload": p.cpu_offload,
+        "train.activation_checkpointing": config.train.activation_checkpointing != "none",
+        "precision.dtype = fp16": config.precision.dtype == "fp16",
+        "precision.reduce_dtype": config.precision.reduce_dtype != "fp32",
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise UserError(f"{', '.join(named)}: not supported by the trainer in this version; use the defaults")
+
+
+def resolve_grad_accum(config: Config, dp: int) -> int:
+    """Micro-steps per step; `train.global_batch_size`, when set, decides it."""
+    t = config.train
+    if not t.global_batch_size:
+        return t.grad_accum
+    per_micro_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_micro_step:
+        raise UserError(
+            f"train.global_batch_size = {t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp}: change one of them"
+        )
+    return t.global_batch_size // per_micro_step
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Dropout's RNG is reseeded every step from (seed, step, rank): a resumed run draws the same masks
+    as an uninterrupted one without carrying generator state (tuple hashes of ints are stable)."""
+    return hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Trainer:
+    def __init__(self, config: Config, runtime: Runtime) -> None:
+        check_supported(config)
+        self.config, self.runtime, self.device = config, runtime, runtime.device
+        self.run_dir = Path(config.run.dir)
+        t = config.train
+
+        if runtime.local_rank == 0:  # one preparer per node; the others then find it done
+            dataset_dir(config.data)
+        runtime.barrier()
+        data_dir = dataset_dir(config.data)
+        self.train_data = TokenDataset(data_dir, "train", config.model.block_size)
+        self.val_data = TokenDataset(data_dir, "val", config.model.block_size)
+        if self.train_data.vocab_size > config.model.vocab_size:
+            raise UserError(
+                f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.train_data.vocab_size} ({data_dir}): set model.vocab_size >= {self.train_data.vocab_size}"
+            )
+        self.layout = BatchLayout(runtime.dims.dp, resolve_grad_accum(config, runtime.dims.dp), t.micro_batch_size)
+
+        torch.manual_seed(t.seed)  # identical initial weights on every rank and every layout
+        self.model = GPT(config.model).to(self.device)
+        self.flops_per_token = self.model.flops_per_token()
+        self.train_module = parallelize(self.model, runtime, config)
+        self.optimizer = build_optimizer(self.model, t)
+
+        self.step, self.samples_seen = 0, 0
+        self._restore()
+        self.peak_flops = device_peak_flops(self.device, config.precision.dtype)
+        self.logger = None
+        if runtime.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / RESOLVED_CONFIG).write_text(config.to_toml())
+            self.logger = MetricsLogger(self.run_dir, config.log, self.step, t.steps)
+            self.logger.message(self._banner())
+
+    def _restore(self) -> None:
+        resume = self.config.checkpoint.resume
+        if resume == "none":
+            return
+        path = latest_checkpoint(self.run_dir) if resume == "auto" else resolve_checkpoint(resume)
+        if path is None:
+            return
+        check_compatible(path, self.config.model)
+        state = load_checkpoint(path, self.train_module, self.optimizer)
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+
+    def _banner(self) -> str:
+        layout, m = self.layout, self.config.model
+        return (
+            f"paralm: {self.model.num_params() / 1e6:.2f}M parameters ({m.n_layer} layers, d_model {m.d_model}), "
+            f"{self.runtime.world_size} rank(s) on {self.device.type}, dp {layout.dp_size}, "
+            f"global batch {layout.global_batch} = {layout.dp_size} x {layout.grad_accum} x "
+            f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}; "
+            f"{'resuming at step ' + str(self.step) if self.step else 'starting'} -> step {self.config.train.steps}"
+        )
+
+    def fit(self) -> None:
+        t, ckpt = self.config.train, self.config.checkpoint
+        if self.logger and self.step >= t.steps:
+            self.logger.message(f"nothing to do: the checkpoint is at step {self.step}, train.steps = {t.steps}")
+        while self.step < t.steps:
+            row = self.train_step()
+            self.step += 1
+            last = self.step == t.steps
+            if last or (t.eval_every and self.step % t.eval_every == 0):
+                row["val_loss"] = self.evaluate()
+            if self.logger:
+                self.logger.write(row)
+                self.logger.progress(row)
+            if last or (ckpt.every and self.step % ckpt.every == 0):
+                self.save()
+        if self.logger:
+            self.logger.close()
+
+    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the global batch starting at `samples_seen`."""
+        size = self.layout.micro_batch_size
+        batches = []
+        for start in self.layout.micro_batch_starts(self.samples_seen, self.runtime.dp_rank):
+            windows = sample_windows(self.config.train.seed, start, size, self.train_data.num_windows)
+            x, y = self.train_data.batch(windows)
+            batches.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+        return batches
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches, syncing only on the last; returns this rank's
+        mean loss over them."""
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            with gradient_sync(self.train_module, sync=i == len(batches) - 1):
+                with autocast(self.device, self.config.precision.dtype):
+                    loss = cross_entropy_loss(self.train_module(x), y) / len(batches)
+                loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def train_step(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        torch.manual_seed(step_seed(self.config.train.seed, self.step, self.runtime.rank))
+        lr = learning_rate(self.step, self.config.train)
+        set_learning_rate(self.optimizer, lr)
+
+        loss_sum = self.forward_backward(self.micro_batches())
+        clip = self.config.train.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples_seen += self.layout.global_batch
+
+        loss = self.runtime.all_reduce(loss_sum) / self.layout.dp_size
+        peak = self.runtime.all_reduce(
+            torch.tensor(peak_memory_bytes(self.device), dtype=torch.float64, device=self.device),
+            torch.distributed.ReduceOp.MAX,
+        )
+        step_time = time.perf_counter() - started
+        tokens_per_s = self.layout.global_batch * self.config.model.block_size / step_time
+        return {
+            "step": self.step,
+            "loss": loss.item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.runtime.world_size),
+            "peak_mem_bytes": int(peak.item()),
+            "step_time_s": step_time,
+            "samples_seen": self.samples_seen,
+        }
+
+    def evaluate(self) -> float:
+        t = self.config.train
+        loss, _ = validation_loss(
+            self.train_module,
+            self.val_data,
+            self.runtime,
+            t.eval_samples,
+            t.micro_batch_size,
+            t.seed,
+            self.device,
+            self.config.precision.dtype,
+        )
+        return loss
+
+    def save(self) -> None:
+        state = {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.samples_seen * self.config.model.block_size,
+            "world_size": self.runtime.world_size,
+            "rng": "reseeded each step from (train.seed, step, rank)",
+        }
+        path = save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.train_module,
+            self.optimizer,
+            state,
+            self.config,
+            self.runtime,
+            keep=self.config.checkpoint.keep,
+        )
+        if self.logger:
+            self.logger.message(f"saved {path}")
