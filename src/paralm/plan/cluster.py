@@ -1,0 +1,178 @@
+"""Cluster descriptions: presets for common accelerators, `NAME:COUNT` shorthands and TOML files.
+
+A cluster is `nodes` x `devices_per_node` identical devices. Links are described per device and per
+direction, because that is the bandwidth a ring collective sees: inside a node every device drives
+its own NVLink ports, across nodes every device has its own InfiniBand NIC (rail-optimised DGX/HGX
+systems), so a ring that crosses nodes runs at the per-device NIC bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from paralm.errors import UserError
+from paralm.hardware import GPU_PEAK_FLOPS
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: `latency` seconds per message step, `bandwidth` bytes/s per direction."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory_bytes: float  # per device
+    peak_flops: dict[str, float]  # per device, per compute dtype (fp32 | bf16 | fp16)
+    intra_bandwidth: float  # bytes/s per device per direction, inside a node
+    intra_latency: float  # seconds per ring step inside a node
+    inter_bandwidth: float  # bytes/s per device per direction, between nodes
+    inter_latency: float  # seconds per ring step between nodes
+    memory_bandwidth: float  # bytes/s of device memory: prices the (memory-bound) optimizer step
+    efficiency: float  # fraction of peak FLOP/s that training achieves (calibrated or cited)
+    runtime_bytes: float  # per-device memory taken before any tensor: context, workspaces, margin
+    source: str = field(default="", compare=False)  # where the figures come from
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def intra(self) -> Link:
+        return Link(self.intra_bandwidth, self.intra_latency)
+
+    @property
+    def inter(self) -> Link:
+        return Link(self.inter_bandwidth, self.inter_latency)
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise UserError(f"cluster {self.name} has no peak FLOP/s for {dtype}; it lists {', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def link(self, size: int, stride: int) -> Link:
+        """The link a group of `size` ranks `stride` apart uses (ranks fill a node before the next).
+
+        Mesh dims are laid out innermost-first, so a group's ranks are `stride` apart and the group
+        spans `size * stride` consecutive ranks; it stays inside a node when that span fits one.
+        """
+        return self.intra if size * stride <= self.devices_per_node else self.inter
+
+    def with_devices(self, count: int) -> Cluster:
+        """The same hardware with `count` devices: whole nodes, or part of one node."""
+        if count < 1:
+            raise UserError(f"a cluster needs at least one device, got {count}")
+        if count <= self.devices_per_node:
+            return dataclasses.replace(self, nodes=1, devices_per_node=count)
+        if count % self.devices_per_node:
+            raise UserError(
+                f"{count} devices is not a whole number of {self.name} nodes of {self.devices_per_node}: "
+                f"use a multiple of {self.devices_per_node}"
+            )
+        return dataclasses.replace(self, nodes=count // self.devices_per_node)
+
+    def to_toml(self) -> str:
+        lines = ["[cluster]"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "peak_flops":
+                lines.append(f"{f.name} = {_toml(value)}")
+        lines += ["", "[cluster.peak_flops]"]
+        lines += [f"{dtype} = {flops!r}" for dtype, flops in self.peak_flops.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _dgx(name: str, chip: str, memory_gb: float, hbm_tbs: float, nvlink_gbs: float, ib_gbits: float, src: str) -> Cluster:
+    """An 8-GPU SXM node: NVLink within, one InfiniBand NIC per GPU between nodes."""
+    return Cluster(
+        name=name,
+        nodes=1,
+        devices_per_node=8,
+        memory_bytes=memory_gb * GB,
+        peak_flops=GPU_PEAK_FLOPS[chip],
+        intra_bandwidth=nvlink_gbs / 2 * GB,  # datasheets quote NVLink bidirectional: half each way
+        # alpha per ring step: the order nccl-tests shows for small all-reduces (a microsecond or two
+        # per NVLink hop, several per InfiniBand hop); an assumption `paralm calibrate` replaces.
+        intra_latency=2e-6,
+        inter_bandwidth=ib_gbits / 8 * GB,
+        inter_latency=8e-6,
+        memory_bandwidth=hbm_tbs * 1e12,
+        # Narayanan et al. 2021 (Megatron-LM, SC'21), Table 1: GPT 1.7B-1T on A100 reach 44-52% of peak
+        # counting recompute FLOPs, which is what our compute time divides by.
+        efficiency=0.5,
+        # CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL communicator buffers, and a margin for
+        # allocator fragmentation: a stated allowance, not a measurement.
+        runtime_bytes=2 * GiB,
+        source=src,
+    )
+
+
+# Datasheets: NVIDIA A100 Tensor Core GPU datasheet (40 GB: 1,555 GB/s HBM2; 80 GB: 2,039 GB/s HBM2e;
+# NVLink 600 GB/s), H100 datasheet (SXM: 80 GB, 3.35 TB/s, NVLink 900 GB/s), H200 datasheet
+# (SXM: 141 GB, 4.8 TB/s, NVLink 900 GB/s). Networks: DGX A100 has 8x 200 Gb/s HDR InfiniBand
+# (ConnectX-6), DGX H100/H200 8x 400 Gb/s NDR (ConnectX-7), one per GPU.
+PRESETS: dict[str, Cluster] = {
+    "a100-40gb": _dgx("a100-40gb", "A100", 40, 1.555, 600, 200, "A100 datasheet, DGX A100 (HDR 200 Gb/s)"),
+    "a100-80gb": _dgx("a100-80gb", "A100", 80, 2.039, 600, 200, "A100 datasheet, DGX A100 (HDR 200 Gb/s)"),
+    "h100": _dgx("h100", "H100", 80, 3.35, 900, 400, "H100 SXM datasheet, DGX H100 (NDR 400 Gb/s)"),
+    "h200": _dgx("h200", "H200", 141, 4.8, 900, 400, "H200 SXM datasheet, DGX H200 (NDR 400 Gb/s)"),
+}
+ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+_COUNT = re.compile(r"^(?P<name>.+?)(?:[:x](?P<count>\d+))?$")
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """`NAME`, `NAME:COUNT`, `NAMExCOUNT` (a preset) or `FILE.toml[:COUNT]` (e.g. from calibrate)."""
+    match = _COUNT.match(spec.strip())
+    if not match:
+        raise UserError(f"--cluster {spec!r}: expected NAME, NAME:COUNT or a TOML file")
+    name, count = match["name"], match["count"]
+    if name.endswith(".toml") or Path(name).is_file():
+        cluster = load_cluster(name)
+    else:
+        key = ALIASES.get(name.lower(), name.lower())
+        if key not in PRESETS:
+            known = ", ".join([*PRESETS, *ALIASES])
+            raise UserError(f"--cluster {spec!r}: unknown preset {name!r}; presets: {known}, or a TOML file")
+        cluster = PRESETS[key]
+    return cluster.with_devices(int(count)) if count else cluster
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """A cluster from the `[cluster]` table of a TOML file, as `paralm calibrate` writes it."""
+    from paralm.config import read_toml
+
+    raw = read_toml(path).get("cluster")
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: no [cluster] table; write one with `paralm calibrate --out {path}`")
+    fields = {f.name for f in dataclasses.fields(Cluster)}
+    unknown = set(raw) - fields
+    missing = fields - set(raw) - {"source"}
+    if unknown or missing:
+        problems = [f"unknown {', '.join(sorted(unknown))}" if unknown else "", f"missing {', '.join(sorted(missing))}" if missing else ""]
+        raise UserError(f"{path}: [cluster] fields {'; '.join(p for p in problems if p)}")
+    try:
+        cluster = Cluster(**{**raw, "peak_flops": {k: float(v) for k, v in raw["peak_flops"].items()}})
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{path}: [cluster] has a value of the wrong type: {e}") from None
+    if min(cluster.nodes, cluster.devices_per_node) < 1 or cluster.memory_bytes <= 0 or not 0 < cluster.efficiency <= 1:
+        raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive, efficiency in (0, 1]")
+    return cluster

@@ -1,0 +1,31 @@
+"""Shared test helpers: a tiny config and reading a run's metrics."""
+
+import json
+from pathlib import Path
+
+from paralm.config import Config
+
+
+def tiny_config(run_dir: Path, **sections: dict) -> Config:
+    """A 2-layer, 32-wide GPT on the embedded corpus: small enough for many multi-process runs."""
+    raw = {
+        "run": {"dir": str(run_dir)},
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32, "dropout": 0.0},
+        "train": {
+            "steps": 5,
+            "micro_batch_size": 4,
+            "seed": 7,
+            "warmup_steps": 2,
+            "decay_steps": 50,
+            "eval_every": 0,
+            "eval_samples": 8,
+        },
+        "log": {"tensorboard": False, "progress": False},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return Config.from_dict(raw)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

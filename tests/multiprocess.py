@@ -1,0 +1,43 @@
+"""Run a function on N local ranks the way `torchrun` would (same environment variables), on gloo.
+
+The function must be importable (defined at module level); each rank's return value is saved
+with `torch.save` and handed back in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    torch.save(fn(*args), Path(out) / f"rank{rank}.pt")
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
+    out = tmp_path / f"results-{fn.__name__}-{world_size}"
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), str(out), args), nprocs=world_size, start_method="spawn"
+    )
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
