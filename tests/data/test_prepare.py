@@ -1,0 +1,93 @@
+import json
+
+import numpy as np
+import pytest
+
+from paralm.data.prepare import prepare_dataset, write_dataset
+from paralm.data.shards import TokenDataset, read_meta
+from paralm.data.tokenizer import ByteTokenizer
+from paralm.errors import UserError
+
+TEXT = "def add(a, b):\n    return a + b\n\nThe quick brown fox jumps over the lazy dog. " * 40
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text(TEXT)
+    (folder / "sub" / "b.md").write_text(TEXT.upper())
+    (folder / ".hidden").write_text("never read")
+    return folder
+
+
+def test_byte_dataset_round_trips_text_and_splits_every_document(corpus, tmp_path):
+    out = tmp_path / "ds"
+    prepare_dataset([str(corpus)], str(out), "byte", 0, val_fraction=0.25)
+    meta = read_meta(out)
+    assert meta["documents"] == 2 and meta["tokenizer"] == "byte"
+    total = 2 * len(TEXT.encode())
+    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == total
+    assert meta["splits"]["val"]["tokens"] == pytest.approx(total * 0.25, abs=2)
+    train = TokenDataset(out, "train", block_size=16)
+    first = np.memmap(out / meta["splits"]["train"]["shards"][0], dtype=meta["dtype"], mode="r")
+    assert ByteTokenizer().decode(first[:40].tolist()) == TEXT[:40]
+    x, y = train.batch(np.array([0, 5]))
+    assert x.shape == (2, 16) and np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())
+
+
+def test_windows_never_cross_a_shard_boundary(tmp_path):
+    tokenizer = ByteTokenizer()
+    meta = write_dataset([("d", "abcdefghij" * 10)], tmp_path / "ds", tokenizer, 0.1, shard_tokens=30)
+    assert len(meta["splits"]["train"]["shards"]) == 3  # 90 train tokens in shards of 30
+    data = TokenDataset(tmp_path / "ds", "train", block_size=8)
+    assert data.num_windows == 3 * (30 - 8)
+    x, y = data.batch(np.arange(data.num_windows))
+    text = "abcdefghij" * 10
+    for row, target in zip(x, y, strict=True):
+        s = tokenizer.decode(row.tolist()) + tokenizer.decode(target[-1:].tolist())
+        assert s in text
+
+
+def test_bpe_dataset_saves_its_tokenizer_beside_the_shards(corpus, tmp_path):
+    out = tmp_path / "bpe"
+    prepare_dataset([str(corpus / "*.txt")], str(out), "bpe", 300, val_fraction=0.1)
+    data = TokenDataset(out, "train", block_size=8)
+    tokenizer = data.tokenizer()
+    assert data.vocab_size == tokenizer.vocab_size <= 300
+    assert tokenizer.decode(tokenizer.encode("return a + b")) == "return a + b"
+    assert len(tokenizer.encode(TEXT)) < len(TEXT) / 2  # BPE actually merges
+
+
+def test_missing_inputs_and_truncated_shards_are_user_errors(corpus, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        prepare_dataset([str(tmp_path / "nope")], str(tmp_path / "x"), "byte", 0, 0.1)
+    with pytest.raises(UserError, match="matches no files"):
+        prepare_dataset([str(tmp_path / "*.nothing")], str(tmp_path / "x"), "byte", 0, 0.1)
+    out = tmp_path / "ds"
+    prepare_dataset([str(corpus)], str(out), "byte", 0, 0.1)
+    shard = out / read_meta(out)["splits"]["train"]["shards"][0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(UserError, match="truncated"):
+        TokenDataset(out, "train", 16)
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(UserError, match="corrupt"):
+        read_meta(out)
+    with pytest.raises(UserError, match="not a prepared dataset"):
+        read_meta(tmp_path)
+
+
+def test_a_failed_prepare_leaves_nothing_behind(tmp_path):
+    class Exploding(ByteTokenizer):
+        def encode(self, text):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_dataset([("d", "text")], tmp_path / "ds", Exploding(), 0.1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_meta_records_the_shard_sizes(corpus, tmp_path):
+    prepare_dataset([str(corpus)], str(tmp_path / "ds"), "byte", 0, 0.1)
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert sum(meta["shard_tokens"].values()) == sum(s["tokens"] for s in meta["splits"].values())

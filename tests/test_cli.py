@@ -1,0 +1,129 @@
+"""The CLI as a user meets it: verbs work, and every bad input is one line, exit code 2, no traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--config",
+    str(ROOT / "configs/tiny.toml"),
+    "--model.n_layer=1",
+    "--model.d_model=32",
+    "--model.block_size=32",
+    "--train.micro_batch_size=4",
+    "--train.eval_samples=8",
+    "--log.tensorboard=false",
+]
+
+
+def paralm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "paralm", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=os.environ.copy(),
+        timeout=300,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    for fragment in fragments:
+        assert fragment in output, output
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("cli") / "run"
+    result = paralm("train", *TINY, f"--run.dir={run}", "--train.steps=4")
+    assert result.returncode == 0, result.stderr
+    return run
+
+
+def test_train_writes_metrics_config_and_a_checkpoint(trained_run):
+    assert (trained_run / "metrics.jsonl").read_text().count("\n") == 4
+    assert (trained_run / "config.toml").is_file()
+    assert (trained_run / "checkpoints" / "step_000004" / "trainer_state.json").is_file()
+
+
+def test_eval_reports_loss_and_perplexity(trained_run):
+    result = paralm("eval", "--run", str(trained_run))
+    assert result.returncode == 0, result.stderr
+    assert "val loss" in result.stdout and "perplexity" in result.stdout
+
+
+def test_generate_continues_the_prompt(trained_run):
+    result = paralm(
+        "generate", "--run", str(trained_run), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def ") and len(result.stdout) > len("def ")
+
+
+def test_data_prepare_then_train_on_it(tmp_path):
+    (tmp_path / "doc.txt").write_text("Some text to learn from. " * 200)
+    result = paralm("data", "prepare", "--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "ds"))
+    assert result.returncode == 0 and "train" in result.stdout, result.stderr
+    result = paralm(
+        "train", *TINY, f"--data.path={tmp_path / 'ds'}", f"--run.dir={tmp_path / 'run'}", "--train.steps=1"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["train", "--train.no_such_field=1"], ["train.no_such_field"]),
+        (["train", "--train.steps=abc"], ["train.steps", "integer"]),
+        (["train", "--config", "missing.toml"], ["missing.toml"]),
+        (["train", "--data.path=/no/such/data"], ["data.path", "/no/such/data"]),
+        (["train", "--nproc", "3", "--parallel.dp=2"], ["parallel", "3 ranks"]),
+        (["train", "--parallel.zero=7"], ["parallel.zero"]),
+        (["eval", "--run", "/no/such/run"], ["/no/such/run"]),
+        (["data", "prepare", "--input", "/no/such.txt", "--out", "x"], ["/no/such.txt"]),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, fragments, tmp_path):
+    assert_user_error(paralm(*args, cwd=tmp_path), *fragments)
+
+
+def test_incompatible_or_corrupt_checkpoints_are_user_errors(trained_run, tmp_path):
+    wider = paralm("train", *TINY, f"--run.dir={trained_run}", "--model.d_model=64", "--train.steps=5")
+    assert_user_error(wider, "model.d_model")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / ".metadata").write_bytes(b"garbage")
+    (broken / "trainer_state.json").write_text('{"step": 1, "samples_seen": 4}')
+    (broken / "config.toml").write_text((trained_run / "config.toml").read_text())
+    resumed = paralm("train", *TINY, f"--run.dir={tmp_path / 'new'}", f"--checkpoint.resume={broken}")
+    assert_user_error(resumed, str(broken))
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_checkpoint_metadata_that_would_run_code_is_refused(trained_run, tmp_path):
+    import pickle
+    import shutil
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    ckpt = tmp_path / "evil"
+    shutil.copytree(trained_run / "checkpoints" / "step_000004", ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert_user_error(paralm("eval", "--run", str(trained_run), "--checkpoint", str(ckpt)), "does not load")
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.slow
+def test_nproc_2_trains_data_parallel(tmp_path):
+    result = paralm("train", *TINY, "--nproc", "2", f"--run.dir={tmp_path / 'ddp'}", "--train.steps=2")
+    assert result.returncode == 0, result.stderr
+    assert "2 rank(s)" in result.stderr
