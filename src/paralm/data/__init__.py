@@ -1,0 +1,1 @@
+"""Text in, token shards out, batches for every rank: corpus, tokenizers, shards and the sampler."""

@@ -1,0 +1,130 @@
+"""`paralm data prepare`: tokenize documents into train/validation shards, atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from paralm.config import DataConfig
+from paralm.data.corpus import default_corpus, expand_inputs, read_documents
+from paralm.data.shards import FORMAT_VERSION, META_FILE, SHARD_TOKENS, ShardWriter, read_meta, token_dtype
+from paralm.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from paralm.errors import UserError
+from paralm.hardware import cache_dir
+
+
+def write_dataset(
+    documents: list[tuple[str, str]],
+    out: Path,
+    tokenizer: Tokenizer,
+    val_fraction: float,
+    shard_tokens: int = SHARD_TOKENS,
+) -> dict:
+    """Tokenize each document and split it: its first (1 - val_fraction) tokens go to train, the rest
+    to validation. Every document then feeds both splits in proportion, which keeps the validation
+    set representative for single-file corpora too. Written into a temporary folder and renamed, so
+    an interrupted run never leaves a folder that looks complete."""
+    if not 0 < val_fraction < 1:
+        raise UserError(f"validation fraction {val_fraction} must be in (0, 1)")
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        dtype = token_dtype(tokenizer.vocab_size)
+        writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
+        for _, text in documents:
+            ids = tokenizer.encode(text)
+            if tokenizer.eot_id is not None:
+                ids.append(tokenizer.eot_id)
+            tokens = np.asarray(ids, dtype=dtype)
+            cut = len(tokens) - int(round(len(tokens) * val_fraction))
+            writers["train"].write(tokens[:cut])
+            writers["val"].write(tokens[cut:])
+        for writer in writers.values():
+            writer.close()
+        tokenizer.save(tmp)
+        meta = {
+            "format": FORMAT_VERSION,
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": dtype.name,
+            "documents": len(documents),
+            "val_fraction": val_fraction,
+            "splits": {s: {"shards": w.shards, "tokens": w.tokens} for s, w in writers.items()},
+            "shard_tokens": {
+                name: (tmp / name).stat().st_size // dtype.itemsize for w in writers.values() for name in w.shards
+            },
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move `new` to `target`; an existing target is swapped out first and removed after."""
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def make_tokenizer(kind: str, vocab_size: int, documents: Iterable[tuple[str, str]]) -> Tokenizer:
+    if kind == "byte":
+        return ByteTokenizer()
+    return BPETokenizer.train((text for _, text in documents), vocab_size)
+
+
+def prepare_dataset(inputs: list[str], out: str, tokenizer: str, vocab_size: int, val_fraction: float) -> str:
+    """The `data prepare` verb: returns a one-paragraph summary for the terminal."""
+    documents = list(read_documents(expand_inputs(inputs)))
+    meta = write_dataset(documents, Path(out), make_tokenizer(tokenizer, vocab_size, documents), val_fraction)
+    return _summary(Path(out), meta)
+
+
+def _summary(out: Path, meta: dict) -> str:
+    splits = meta["splits"]
+    return (
+        f"{out}: {meta['documents']} documents, tokenizer {meta['tokenizer']} (vocab {meta['vocab_size']}), "
+        f"train {splits['train']['tokens']:,} tokens in {len(splits['train']['shards'])} shard(s), "
+        f"val {splits['val']['tokens']:,} tokens"
+    )
+
+
+def default_dataset_dir(tokenizer: str, vocab_size: int, val_fraction: float) -> Path:
+    """The cache folder of the embedded corpus for these settings (and this Python's docs)."""
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    vocab = f"-{vocab_size}" if tokenizer == "bpe" else ""
+    return cache_dir() / "data" / f"pydoc-{version}-{tokenizer}{vocab}-val{val_fraction:g}"
+
+
+def ensure_default_dataset(tokenizer: str, vocab_size: int, val_fraction: float) -> Path:
+    """Prepare the embedded corpus once and reuse it; concurrent callers each write atomically."""
+    out = default_dataset_dir(tokenizer, vocab_size, val_fraction)
+    if (out / META_FILE).is_file():
+        read_meta(out)
+        return out
+    documents = list(default_corpus())
+    write_dataset(documents, out, make_tokenizer(tokenizer, vocab_size, documents), val_fraction)
+    return out
+
+
+def dataset_dir(data: DataConfig) -> Path:
+    """The prepared dataset a config trains on: `data.path`, or the embedded corpus (prepared on first use)."""
+    if data.path:
+        path = Path(data.path)
+        if not path.exists():
+            raise UserError(f"data.path {path} does not exist: run `paralm data prepare --out {path} --input ...`")
+        read_meta(path)
+        return path
+    return ensure_default_dataset(data.tokenizer, data.bpe_vocab_size, data.val_fraction)
