@@ -1,0 +1,33 @@
+"""Shared by the benchmark scripts: run `paralm train` as a user would and summarise its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: int = 2) -> dict[str, float]:
+    """Median per-step metrics of a fresh `paralm train` run, skipping its first `warmup_steps` steps."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        command = [sys.executable, "-m", "paralm", "train", *args, f"--run.dir={run_dir}", f"--nproc={nproc}",
+                   "--log.tensorboard=false", "--train.eval_every=0", "--train.eval_samples=8"]
+        subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = rows[warmup_steps:]
+    numeric = [key for key, value in rows[0].items() if isinstance(value, (int, float)) and key != "step"]
+    return {key: statistics.median(row[key] for row in rows) for key in numeric}
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows, strict=True)]
+    line = " | ".join(f"{{:>{w}}}" for w in widths)
+    print(line.format(*headers))
+    print("-+-".join("-" * w for w in widths))
+    for row in rows:
+        print(line.format(*row))
