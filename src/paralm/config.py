@@ -213,28 +213,13 @@ def _coerce(value: Any, kind: Any, name: str, source: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
         raise fail()
-    if kind is int:
-        if isinstance(value, bool):
+    if kind in (int, float):
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)):
             raise fail()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise fail() from None
-        raise fail()
-    if kind is float:
-        if isinstance(value, bool):
-            raise fail()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise fail() from None
-        raise fail()
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise fail() from None
     if kind is str:
         if isinstance(value, str):
             return value
