@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from paralm.config import DataConfig
 from paralm.data.corpus import default_corpus, expand_inputs, read_documents
@@ -39,7 +40,9 @@ def write_dataset(
     try:
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
-        for _, text in documents:
+        for _, text in tqdm(
+            documents, desc=f"tokenizing ({tokenizer.name})", unit="doc", disable=not sys.stderr.isatty()
+        ):
             ids = tokenizer.encode(text)
             if tokenizer.eot_id is not None:
                 ids.append(tokenizer.eot_id)
