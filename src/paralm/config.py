@@ -18,6 +18,8 @@ from typing import Any
 
 from paralm.errors import UserError
 from paralm.model import GPTConfig as ModelConfig
+from paralm.parallel.checks import check_model_parallel
+from paralm.parallel.sharding_checks import check_sharding
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,6 +104,34 @@ class ParallelConfig:
 @dataclass
 class CommConfig:
     bucket_mb: float = option(25.0, "gradient bucket size for all-reduce, in MiB")
+    compression: str = option(
+        "none",
+        "gradient compression for all-reduce (DDP) data parallelism",
+        ("none", "fp16", "bf16", "powersgd", "topk"),
+    )
+    powersgd_rank: int = option(4, "PowerSGD: rank of the low-rank approximation of each gradient matrix")
+    powersgd_start_step: int = option(10, "PowerSGD: plain all-reduce before this step (at least 2)")
+    topk_ratio: float = option(0.01, "top-k: share of gradient entries sent per step (the rest kept as error feedback)")
+
+
+@dataclass
+class SyncConfig:
+    mode: str = option(
+        "allreduce", "how data-parallel replicas synchronise", ("allreduce", "parameter_server", "local_sgd", "diloco")
+    )
+    ps_servers: int = option(1, "parameter_server: ranks (the first ones) that hold parameters and optimizer state")
+    ps_async: bool = option(False, "parameter_server: apply each worker's gradient as it arrives (no step barrier)")
+    max_staleness: int = option(4, "async parameter server: most updates a gradient's parameters may be behind")
+    local_steps: int = option(8, "local_sgd/diloco: optimizer steps each replica takes alone between averagings")
+    outer_lr: float = option(0.7, "diloco: learning rate of the outer Nesterov SGD on the averaged change")
+    outer_momentum: float = option(0.9, "diloco: momentum of the outer Nesterov SGD")
+    straggler_rank: int = option(-1, "rank slowed on purpose to study heterogeneous workers; -1: none")
+    straggler_delay_s: float = option(0.0, "seconds the straggler rank sleeps in every step")
+
+    @property
+    def servers(self) -> int:
+        """Ranks outside the data-parallel mesh: the parameter servers."""
+        return self.ps_servers if self.mode == "parameter_server" else 0
 
 
 @dataclass
@@ -132,6 +162,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -335,5 +366,44 @@ def validate(config: Config) -> None:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
     if config.comm.bucket_mb <= 0:
         raise UserError(f"comm.bucket_mb = {config.comm.bucket_mb} must be positive")
+    validate_sync(config)
     if config.parallel.dp == 0 or config.parallel.dp < -1:
         raise UserError(f"parallel.dp = {config.parallel.dp} must be a positive degree or -1 (all ranks)")
+    check_model_parallel(config)
+    check_sharding(config)
+
+
+def validate_sync(config: Config) -> None:
+    """Replica synchronisation and gradient compression: ranges, and which combinations exist."""
+    s, c = config.sync, config.comm
+    at_least = {
+        "sync.ps_servers": (s.ps_servers, 1),
+        "sync.local_steps": (s.local_steps, 1),
+        "sync.max_staleness": (s.max_staleness, 0),
+        "comm.powersgd_rank": (c.powersgd_rank, 1),
+        "comm.powersgd_start_step": (c.powersgd_start_step, 2),
+        "sync.outer_lr": (s.outer_lr, 0),
+        "sync.outer_momentum": (s.outer_momentum, 0),
+        "sync.straggler_delay_s": (s.straggler_delay_s, 0),
+    }
+    for name, (value, low) in at_least.items():
+        if value < low:
+            raise UserError(f"{name} = {value} must be at least {low}")
+    if not 0 < c.topk_ratio <= 1:
+        raise UserError(f"comm.topk_ratio = {c.topk_ratio} must be in (0, 1]")
+    if s.outer_momentum >= 1:
+        raise UserError(f"sync.outer_momentum = {s.outer_momentum} must be below 1")
+    if c.compression != "none" and s.mode != "allreduce":
+        raise UserError(
+            f"comm.compression = {c.compression} compresses all-reduce gradients: it needs sync.mode = allreduce, "
+            f"not {s.mode}"
+        )
+    p = config.parallel
+    if (c.compression != "none" or s.mode != "allreduce") and (p.zero, p.tp, p.pp) != (0, 1, 1):
+        what = f"sync.mode = {s.mode}" if s.mode != "allreduce" else f"comm.compression = {c.compression}"
+        raise UserError(f"{what} replicates whole models: set parallel.zero = 0, parallel.tp = 1, parallel.pp = 1")
+    if s.mode in ("local_sgd", "diloco") and config.checkpoint.every % s.local_steps:
+        raise UserError(
+            f"checkpoint.every = {config.checkpoint.every} must be a multiple of sync.local_steps = {s.local_steps}: "
+            "replicas agree only right after an averaging"
+        )

@@ -12,7 +12,9 @@ from torch import nn
 from paralm.data.sampler import sample_windows
 from paralm.data.shards import TokenDataset
 from paralm.model import cross_entropy_loss
+from paralm.parallel.pipeline import Pipeline
 from paralm.parallel.runtime import Runtime
+from paralm.parallel.tensor import local_value, loss_context
 from paralm.train.precision import autocast
 
 # Validation windows come from a stream of their own, so they never depend on training's progress.
@@ -43,13 +45,26 @@ def validation_loss(
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     for start in range(0, len(windows), micro_batch_size):
         x, y = (t.to(device) for t in dataset.batch(windows[start : start + micro_batch_size]))
-        with autocast(device, dtype):
-            loss = cross_entropy_loss(model(x), y)
-        total += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), dtype=torch.float64, device=device)])
+        loss = _batch_loss(model, x, y, runtime, device, dtype)
+        if loss is not None:  # None on pipeline ranks without the last stage: they add nothing
+            total += torch.stack(
+                [loss.double() * y.numel(), torch.tensor(y.numel(), dtype=torch.float64, device=device)]
+            )
     model.train(was_training)
     if runtime is not None:
         runtime.all_reduce(total)
     return (total[0] / total[1]).item(), int(total[1].item())
+
+
+def _batch_loss(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, runtime: Runtime | None, device: torch.device, dtype: str
+) -> torch.Tensor | None:
+    """Mean loss of one batch: through the stages in order for a pipeline (None off its last stage),
+    on the vocabulary-sharded logits under tensor parallelism."""
+    if isinstance(model, Pipeline):
+        return model.eval_loss(x, y)
+    with autocast(device, dtype), loss_context(runtime.dims.tp if runtime is not None else 1):
+        return local_value(cross_entropy_loss(model(x), y))
 
 
 @dataclass

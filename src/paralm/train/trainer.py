@@ -23,8 +23,13 @@ from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT, cross_entropy_loss
 from paralm.parallel.ddp import gradient_sync
+from paralm.parallel.fsdp import uses_fsdp
+from paralm.parallel.grad_norm import clip_grad_norm_
 from paralm.parallel.parallelize import parallelize
+from paralm.parallel.pipeline import Pipeline
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
+from paralm.parallel.tensor import dropout_rank, local_value, loss_context
+from paralm.parallel.zero1 import shard_optimizer_state
 from paralm.train.checkpoint import (
     check_compatible,
     latest_checkpoint,
@@ -32,9 +37,10 @@ from paralm.train.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
 from paralm.train.metrics import MetricsLogger, peak_memory_bytes
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
-from paralm.train.precision import autocast
+from paralm.train.precision import LossScaler, autocast
 
 RESOLVED_CONFIG = "config.toml"
 
@@ -43,23 +49,6 @@ def train(config: Config) -> None:
     runtime = init_runtime(config.parallel)
     Trainer(config, runtime).fit()
     shutdown(runtime)  # only on success: after a failure the launcher tears the job down
-
-
-def check_supported(config: Config) -> None:
-    """Reject settings the config knows (the planner models them) but this trainer cannot run yet."""
-    p = config.parallel
-    unsupported = {
-        "parallel.zero": p.zero != 0,
-        "parallel.tp": p.tp != 1,
-        "parallel.pp": p.pp != 1,
-        "parallel.cpu_offload": p.cpu_offload,
-        "train.activation_checkpointing": config.train.activation_checkpointing != "none",
-        "precision.dtype = fp16": config.precision.dtype == "fp16",
-        "precision.reduce_dtype": config.precision.reduce_dtype != "fp32",
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise UserError(f"{', '.join(named)}: not supported by the trainer in this version; use the defaults")
 
 
 def resolve_grad_accum(config: Config, dp: int) -> int:
@@ -84,7 +73,6 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 class Trainer:
     def __init__(self, config: Config, runtime: Runtime) -> None:
-        check_supported(config)
         self.config, self.runtime, self.device = config, runtime, runtime.device
         self.run_dir = Path(config.run.dir)
         t = config.train
@@ -102,11 +90,15 @@ class Trainer:
             )
         self.layout = BatchLayout(runtime.dims.dp, resolve_grad_accum(config, runtime.dims.dp), t.micro_batch_size)
 
-        torch.manual_seed(t.seed)  # identical initial weights on every rank and every layout
-        self.model = GPT(config.model).to(self.device)
-        self.flops_per_token = self.model.flops_per_token()
+        with torch.device("meta"):  # no memory yet: parallelize gives each rank its shards of the seeded init
+            self.model = GPT(config.model)
+        self.flops_per_token, self.num_params = self.model.flops_per_token(), self.model.num_params()
         self.train_module = parallelize(self.model, runtime, config)
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = shard_optimizer_state(build_optimizer(self.model, t), runtime, config.parallel)
+        sharded_grads = uses_fsdp(config.parallel.zero, runtime.dims)
+        self.scaler = LossScaler(config.precision.dtype, self.device, runtime.dp_group if sharded_grads else None)
+        self.memory = ModelStateMeter(self.model, self.optimizer)
+        self.memory_prediction = predict(config, self.model, runtime.dims.dp_shard)
 
         self.step, self.samples_seen = 0, 0
         self._restore()
@@ -117,6 +109,7 @@ class Trainer:
             (self.run_dir / RESOLVED_CONFIG).write_text(config.to_toml())
             self.logger = MetricsLogger(self.run_dir, config.log, self.step, t.steps)
             self.logger.message(self._banner())
+            self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 
     def _restore(self) -> None:
         resume = self.config.checkpoint.resume
@@ -128,11 +121,12 @@ class Trainer:
         check_compatible(path, self.config.model)
         state = load_checkpoint(path, self.train_module, self.optimizer)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.scaler.load_state_dict(state.get("loss_scaler", {}))
 
     def _banner(self) -> str:
         layout, m = self.layout, self.config.model
         return (
-            f"paralm: {self.model.num_params() / 1e6:.2f}M parameters ({m.n_layer} layers, d_model {m.d_model}), "
+            f"paralm: {self.num_params / 1e6:.2f}M parameters ({m.n_layer} layers, d_model {m.d_model}), "
             f"{self.runtime.world_size} rank(s) on {self.device.type}, dp {layout.dp_size}, "
             f"global batch {layout.global_batch} = {layout.dp_size} x {layout.grad_accum} x "
             f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}; "
@@ -143,9 +137,12 @@ class Trainer:
         t, ckpt = self.config.train, self.config.checkpoint
         if self.logger and self.step >= t.steps:
             self.logger.message(f"nothing to do: the checkpoint is at step {self.step}, train.steps = {t.steps}")
+        first = self.step
         while self.step < t.steps:
             row = self.train_step()
             self.step += 1
+            if self.logger and row["step"] == first:
+                self.logger.message(describe_measured(row, self.memory_prediction))
             last = self.step == t.steps
             if last or (t.eval_every and self.step % t.eval_every == 0):
                 row["val_loss"] = self.evaluate()
@@ -169,44 +166,58 @@ class Trainer:
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches, syncing only on the last; returns this rank's
-        mean loss over them."""
+        mean loss over them (a pipeline runs its schedule instead, and only its last stage has the loss)."""
+        if isinstance(self.train_module, Pipeline):
+            return self.train_module.forward_backward(batches)
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
-            with gradient_sync(self.train_module, sync=i == len(batches) - 1):
+            with gradient_sync(self.train_module, sync=i == len(batches) - 1), loss_context(self.runtime.dims.tp):
                 with autocast(self.device, self.config.precision.dtype):
                     loss = cross_entropy_loss(self.train_module(x), y) / len(batches)
-                loss.backward()
-            loss_sum += loss.detach()
+                self.scaler.scale(loss).backward()
+            loss_sum += local_value(loss.detach())
         return loss_sum
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
-        torch.manual_seed(step_seed(self.config.train.seed, self.step, self.runtime.rank))
+        torch.manual_seed(
+            step_seed(self.config.train.seed, self.step, dropout_rank(self.runtime.rank, self.runtime.dims.tp))
+        )
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
 
         loss_sum = self.forward_backward(self.micro_batches())
+        self.scaler.unscale_(self.optimizer)
+        self.memory.after_backward()
         clip = self.config.train.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
+        grad_norm = clip_grad_norm_(self.model, clip, self.runtime)
+        scaling = self.scaler.step(self.optimizer)  # fp16: loss_scale, and overflow when the step was skipped
         self.optimizer.zero_grad(set_to_none=True)
         self.samples_seen += self.layout.global_batch
+        if self.logger and scaling.get("overflow"):
+            self.logger.message(
+                f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
+                f"{scaling['loss_scale']:g}"
+            )
 
-        loss = self.runtime.all_reduce(loss_sum) / self.layout.dp_size
-        peak = self.runtime.all_reduce(
-            torch.tensor(peak_memory_bytes(self.device), dtype=torch.float64, device=self.device),
-            torch.distributed.ReduceOp.MAX,
+        # every tp rank of the last pipeline stage holds its dp shard's loss; other stages add 0
+        loss = self.runtime.all_reduce(loss_sum) / (self.layout.dp_size * self.runtime.dims.tp)
+        memory = {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)}
+        largest = self.runtime.all_reduce(  # the rank that holds the most
+            torch.tensor(list(memory.values()), dtype=torch.float64, device=self.device), torch.distributed.ReduceOp.MAX
         )
+        memory = {key: int(value) for key, value in zip(memory, largest.tolist(), strict=True)}
         step_time = time.perf_counter() - started
         tokens_per_s = self.layout.global_batch * self.config.model.block_size / step_time
         return {
             "step": self.step,
             "loss": loss.item(),
             "lr": lr,
-            "grad_norm": grad_norm.item(),
+            "grad_norm": None if scaling.get("overflow") else grad_norm.item(),
             "tokens_per_s": tokens_per_s,
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.runtime.world_size),
-            "peak_mem_bytes": int(peak.item()),
+            **memory,
+            **scaling,
             "step_time_s": step_time,
             "samples_seen": self.samples_seen,
         }
@@ -232,6 +243,7 @@ class Trainer:
             "tokens_seen": self.samples_seen * self.config.model.block_size,
             "world_size": self.runtime.world_size,
             "rng": "reseeded each step from (train.seed, step, rank)",
+            "loss_scaler": self.scaler.state_dict(),
         }
         path = save_checkpoint(
             self.run_dir,

@@ -1,0 +1,222 @@
+"""Pipeline parallelism: stages cut from the plain GPT, run by a `torch.distributed.pipelining` schedule.
+
+A stage is the GPT without what it does not hold: its blocks keep their `ModuleDict` keys, the first
+stage also has the embeddings, the last the final norm and head. The rank's model is pruned in place
+to the union of its stages, and each stage (`_Stage`) shares those modules, so parameter names stay
+the full model's and DCP checkpoints move between layouts. Tensor parallelism, activation
+checkpointing and data parallelism are applied to each stage afterwards (`parallelize_stage`).
+
+Tied embedding: the first stage holds `wte.weight` and the last a copy as `lm_head.weight`, equal at
+the start. After the backward their gradients are summed between the two ranks (on one rank for the
+V schedules, which put the first and last stage together), so both see the tied parameter's gradient,
+take the same optimizer steps and stay bit-equal: training matches one process with one tied weight.
+The gradient norm counts the copy once.
+
+Loss: the schedule's loss function is a pipeline micro-batch's mean cross-entropy divided by the
+number of micro-batches in the whole step (pipeline micro-batches x grad_accum), with
+`scale_grads=False`: gradients and the summed loss are then the batch mean, as in the trainer's loop.
+
+Evaluation sends activations through the stages in order with plain send/recv (no schedule), so any
+batch size works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from paralm.config import Config
+from paralm.errors import UserError
+from paralm.model import GPT, cross_entropy_loss
+from paralm.parallel.checks import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, num_stages, pipeline_microbatches
+from paralm.parallel.runtime import Runtime
+from paralm.parallel.split import stage_split
+from paralm.parallel.tensor import local_value, loss_context
+from paralm.train.precision import autocast
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+TIED_COPY = "lm_head.weight"  # on the last stage: a copy of the first stage's wte.weight
+
+StageParallelizer = Callable[[GPT], nn.Module]
+
+
+class _Stage(GPT):
+    """Consecutive parts of a GPT, sharing their modules with the rank's pruned model.
+
+    Built without `GPT.__init__` (which would allocate the whole model); `forward` is GPT's, under
+    autocast, since the schedule calls the stage itself.
+    """
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool, dtype: str) -> None:
+        nn.Module.__init__(self)
+        self.config, self.dtype = model.config, dtype
+        self.wte = model.wte if first else None
+        self.wpe = model.wpe if first else None
+        self.drop = model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
+        self.ln_f = model.ln_f if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast(x.device, self.dtype):
+            return super().forward(x)
+
+
+class Pipeline(nn.Module):
+    """This rank's stages, run by the schedule; its children are the pruned model's, so state dicts
+    and optimizers see the full model's parameter names. Stages and schedule are plain attributes."""
+
+    def __init__(
+        self,
+        model: GPT,
+        runs: dict[int, nn.Module],
+        stage_to_rank: dict[int, int],
+        runtime: Runtime,
+        config: Config,
+    ) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.runs, self.stage_to_rank, self.num_stages = runs, stage_to_rank, len(stage_to_rank)
+        self.tp, self.sequence_parallel = runtime.dims.tp, config.parallel.sequence_parallel
+        self.d_model = config.model.d_model
+        pp_mesh = runtime.mesh["pp"]
+        self.pp_group = pp_mesh.get_group()
+        self.microbatches = pipeline_microbatches(config)
+        self._loss_divisor = self.microbatches
+        last = self.num_stages - 1
+        self.has_first, self.has_last = 0 in runs, last in runs
+        self.tied_modules = ([self.wte] if self.has_first else []) + ([self.lm_head] if self.has_last else [])
+        self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last])
+        stages = [
+            PipelineStage(run, s, self.num_stages, runtime.device, group=self.pp_group) for s, run in runs.items()
+        ]
+        self.schedule = _build_schedule(config.parallel.pp_schedule, stages, self.microbatches, self._loss)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(logits, targets) / self._loss_divisor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a pipeline runs through forward_backward or eval_loss, not a single forward")
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over the batches through the schedule; returns the mean loss on the
+        last stage's ranks, 0 on the others."""
+        self._loss_divisor = self.microbatches * len(batches)
+        total = torch.zeros((), device=batches[0][0].device)
+        for x, y in batches:
+            losses: list[torch.Tensor] = []
+            with loss_context(self.tp):
+                self.schedule.step(
+                    *((x,) if self.has_first else ()),
+                    target=y if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    return_outputs=False,
+                )
+            for loss in losses:
+                total += local_value(loss.detach())
+        self._sum_tied_grads()
+        return total
+
+    def _sum_tied_grads(self) -> None:
+        grads = [local_value(m.weight.grad) for m in self.tied_modules]
+        if len(grads) == 2:  # both ends on this rank
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads:
+            dist.all_reduce(grads[0], group=self.tied_group)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Mean loss of one batch, passed through the stages in order; None off the last stage."""
+        hidden = x
+        for s, run in sorted(self.runs.items()):
+            if s > 0 and s - 1 not in self.runs:
+                seq = x.shape[1] // self.tp if self.sequence_parallel else x.shape[1]
+                hidden = torch.empty(x.shape[0], seq, self.d_model, device=x.device)
+                dist.recv(hidden, group=self.pp_group, group_src=self.stage_to_rank[s - 1])
+            with loss_context(self.tp):
+                hidden = run(hidden)
+                if s == self.num_stages - 1:
+                    return local_value(cross_entropy_loss(hidden, y))
+            if s + 1 not in self.runs:
+                dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.stage_to_rank[s + 1])
+        return None
+
+
+def _build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:
+    schedule_cls = SCHEDULES[name]
+    try:
+        if name in SINGLE_STAGE_SCHEDULES:
+            return schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        return schedule_cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    except ValueError as e:  # a constraint of the schedule that `checks` does not know
+        raise UserError(f"parallel.pp_schedule = {name} cannot run this layout: {e}") from None
+
+
+def _tied_group(runtime: Runtime, first: int, last: int) -> dist.ProcessGroup | None:
+    """The two ranks holding the embedding and the head copy of the same (dp, tp) replica; None when
+    one rank holds both. Every rank creates every pair's group (new_group is collective)."""
+    if first == last:
+        return None
+    ranks = runtime.mesh.mesh  # global ranks by (pp, dp_replicate, dp_shard, tp)
+    mine = None
+    for pair in torch.stack([ranks[first].flatten(), ranks[last].flatten()], dim=1).tolist():
+        group = dist.new_group(pair)
+        if runtime.rank in pair:
+            mine = group
+    return mine
+
+
+def build_pipeline(model: GPT, runtime: Runtime, config: Config, parallelize_stage: StageParallelizer) -> Pipeline:
+    """Prune `model` to this rank's stages (the head gets its own copy of the tied weight), print the
+    split, parallelize each stage and hand them to the schedule."""
+    p = config.parallel
+    total = num_stages(config)
+    stage_to_rank = generate_stage_to_rank_mapping(p.pp, total, style="v" if p.pp_schedule in V_SCHEDULES else "loop")
+    split = stage_split(config.model, total, p.pp_split)
+    if runtime.is_main:
+        print(split.describe(stage_to_rank), flush=True)
+    pp_rank = runtime.mesh["pp"].get_local_rank()
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    stages = {
+        s: _Stage(model, split.layer_range(s), s == 0, s == total - 1, config.precision.dtype)
+        for s in range(total)
+        if stage_to_rank[s] == pp_rank
+    }
+    _prune(model, list(stages.values()))
+    runs = {s: parallelize_stage(stage) for s, stage in stages.items()}
+    return Pipeline(model, runs, stage_to_rank, runtime, config)
+
+
+def _prune(model: GPT, stages: list[_Stage]) -> None:
+    """Delete from `model` what none of `stages` holds."""
+    held = {key for stage in stages for key in stage.blocks}
+    for key in [k for k in model.blocks if k not in held]:
+        del model.blocks[key]
+    if all(stage.wte is None for stage in stages):
+        model.wte = model.wpe = None
+    if all(stage.lm_head is None for stage in stages):
+        model.ln_f = model.lm_head = None

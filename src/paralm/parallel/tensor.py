@@ -1,0 +1,109 @@
+"""Tensor and sequence parallelism (Megatron-LM; Korthikanti et al. 2022) through DTensor's `parallelize_module`.
+
+Per block: q, k and v column-wise (each rank holds n_head / tp whole heads; attention reads its head
+count from q's width), the output projection row-wise; the MLP's up projection column-wise, its down
+projection row-wise. So a layer's forward costs two all-reduces of the activations, and its backward
+two more (in the column-wise inputs).
+
+Vocabulary: the embedding is row-wise over the vocabulary (each rank looks up the ids it holds, the
+others contribute zeros, one all-reduce), the LM head column-wise over the vocabulary with its output
+left sharded, and the loss runs on the sharded logits under `loss_parallel` (a max, a sum of
+exponentials and the target logit are reduced; the full-vocabulary logits never exist). Both shard the
+same `(vocab, d_model)` weight along dim 0, so the tied weight stays one parameter.
+
+Sequence parallel: LayerNorms, dropout and the residual stream are sharded along the sequence; each
+all-reduce becomes a reduce-scatter (after the row-wise projections) plus an all-gather (before the
+column-wise ones), the same bytes with activations 1/tp the size in between. The learned position
+embedding stays replicated (it is tiny) and each rank adds the slice of positions its sequence shard
+holds, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from paralm.model import GPT
+
+
+def tensor_parallel_plan(model: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The DTensor plan for the parts of `model` present (a pipeline stage may lack the embedding or head)."""
+    residual = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream between blocks
+    plan: dict[str, ParallelStyle] = {}
+    if model.wte is not None:
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if sequence_parallel:
+            plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    for key in model.blocks:
+        block = f"blocks.{key}"
+        for part, projections, output in (("attn", ("wq", "wk", "wv"), "wo"), ("mlp", ("fc",), "proj")):
+            if sequence_parallel:
+                plan[f"{block}.ln_{1 if part == 'attn' else 2}"] = SequenceParallel()
+                plan[f"{block}.{part}"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+            for name in projections:
+                plan[f"{block}.{part}.{name}"] = ColwiseParallel()
+            plan[f"{block}.{part}.{output}"] = RowwiseParallel(output_layouts=residual)
+    if model.lm_head is not None:
+        if sequence_parallel:
+            plan["ln_f"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> GPT:
+    """Shard `model` in place over `tp_mesh`; the tied embedding and head keep sharing one parameter."""
+    tied = model.wte is not None and model.lm_head is not None and model.lm_head.weight is model.wte.weight
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel))
+    if tied:  # each style registered its own DTensor copy; both are Shard(0) over the vocabulary
+        model.lm_head.weight = model.wte.weight
+    return model
+
+
+def loss_context(tp: int) -> contextlib.AbstractContextManager:
+    """Where the loss and its backward run: `loss_parallel` on vocabulary-sharded logits when tp > 1."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def local_value(tensor: Any) -> Any:
+    """A loss as a plain tensor: a DTensor loss is replicated over the TP group, so its local value is whole."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def dropout_rank(rank: int, tp: int) -> int:
+    """The rank that seeds dropout: shared by the TP group (tp is the innermost mesh dim), so the ranks
+    that hold the same replicated activations draw the same masks."""
+    return rank // tp
+
+
+def validate_tensor_parallel(model_heads: int, vocab_size: int, block_size: int, tp: int, sp: bool) -> list[str]:
+    """Reasons the model cannot be split `tp` ways (empty when it can)."""
+    problems = []
+    if model_heads % tp:
+        problems.append(
+            f"model.n_head = {model_heads} is not divisible by parallel.tp = {tp}: each rank holds whole heads"
+        )
+    if vocab_size % tp:
+        problems.append(
+            f"model.vocab_size = {vocab_size} is not divisible by parallel.tp = {tp}: pad the vocabulary to a multiple"
+        )
+    if sp and block_size % tp:
+        problems.append(
+            f"model.block_size = {block_size} is not divisible by parallel.tp = {tp}, "
+            "which sequence parallelism splits the sequence into"
+        )
+    return problems
