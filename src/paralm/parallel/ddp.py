@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from paralm.parallel.fsdp import fsdp_gradient_sync
 from paralm.parallel.runtime import Runtime
 
 
@@ -21,7 +23,9 @@ def apply_ddp(model: nn.Module, runtime: Runtime, bucket_mb: float) -> Distribut
 
 
 def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Skip DDP's all-reduce on the micro-steps before the last of an accumulated step."""
+    """Skip DDP's all-reduce (FSDP's reduce-scatter) on the micro-steps before the last of an accumulated step."""
     if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
+    if isinstance(model, FSDPModule):
+        return fsdp_gradient_sync(model, sync)
     return contextlib.nullcontext()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from paralm.config import ParallelConfig
 from paralm.errors import UserError
+from paralm.parallel.sharding_checks import check_sharded_layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -65,6 +66,7 @@ class ParallelDims:
                 f"parallel degrees pp x dp x tp = {parallel.pp} x {dp} x {parallel.tp} = {dims.world_size} "
                 f"do not match the {world_size} ranks: set parallel.dp = -1 or start {dims.world_size} processes"
             )
+        check_sharded_layout(parallel, dims)
         return dims
 
 

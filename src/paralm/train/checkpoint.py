@@ -7,8 +7,9 @@ renames the folder, so a crash mid-write never leaves a folder that looks comple
 
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, which speak in terms of the
 unsharded parameter names: a checkpoint written by one layout (DDP, FSDP, 4 ranks) loads into
-another (1 process). Loading unpickles nothing but DCP's own metadata classes, and tensors with
-`weights_only=True`.
+another (1 process). ZeRO-1's sharded optimizer, which `get_state_dict` does not take, is written in
+the same form (`paralm.parallel.zero1`). Loading unpickles nothing but DCP's own metadata classes,
+and tensors with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from paralm.config import Config, ModelConfig, read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
+from paralm.parallel.zero1 import get_state_dicts, set_state_dicts
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.toml"
@@ -118,7 +120,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     runtime.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dicts(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(str(partial)))
     if runtime.is_main:
         _write_synced(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
@@ -206,7 +208,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         model_state = get_state_dict(model, optimizers=())[0]
         target = {"model": model_state}
     else:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dicts(model, optimizer)
         target = {"model": model_state, "optim": optim_state}
     reader = SafeFileSystemReader(path)
     try:
@@ -222,5 +224,5 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if optimizer is None:
         set_state_dict(model, optimizers=(), model_state_dict=target["model"], optim_state_dict={})
     else:
-        set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        set_state_dicts(model, optimizer, target["model"], target["optim"])
     return state

@@ -1,0 +1,25 @@
+"""Activation checkpointing: keep only a block's input in forward, recompute the rest in backward.
+
+`full` wraps every block, `selective` every k-th (`train.ac_every`), counting layers from 1 by their
+index in the whole model, so a pipeline stage picks the same blocks as the unsplit model. PyTorch's
+`checkpoint_wrapper` is used because checkpoint state dicts (DCP's `get_state_dict`) strip its
+prefix: parameter names stay those of the plain model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from paralm.config import TrainConfig
+
+
+def apply_activation_checkpointing(model: nn.Module, train: TrainConfig) -> None:
+    """Wrap the chosen blocks of `model.blocks` in place (before FSDP, which then shards the wrappers)."""
+    if train.activation_checkpointing == "none":
+        return
+    every = 1 if train.activation_checkpointing == "full" else train.ac_every
+    for name, block in list(model.blocks.items()):
+        if (int(name) + 1) % every == 0:
+            # Non-reentrant recomputation restores the RNG state, so dropout draws the same masks twice.
+            model.blocks[name] = checkpoint_wrapper(block)

@@ -1,0 +1,69 @@
+"""ZeRO-2 and ZeRO-3 on FSDP2: `fully_shard` per transformer block, then the root.
+
+Every block is its own FSDP unit, so one block's parameters are gathered at a time (all-gather in
+forward, reduce-scatter of its gradients in backward, overlapped with the neighbouring blocks'
+compute). The root unit holds the embeddings, the final norm and the tied head.
+
+- ZeRO-3: `reshard_after_forward=True`, parameters are gathered again in backward.
+- ZeRO-2: `reshard_after_forward=False`, the gathered parameters stay from forward to the end of
+  backward; gradients and optimizer state are sharded all the same.
+- HSDP: with `parallel.dp_replicate > 1` the mesh is 2-D (replicate, shard): shards within a group
+  of `dp_shard` ranks, replicas of that group all-reduce their gradients.
+Sharded parameters stay fp32 (they are the optimizer's master weights); `MixedPrecisionPolicy`
+gathers them in the compute dtype and reduces gradients in `precision.reduce_dtype`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from paralm.config import Config
+from paralm.parallel.dims import ParallelDims
+from paralm.parallel.runtime import Runtime
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def uses_fsdp(zero: int, dims: ParallelDims) -> bool:
+    """ZeRO-2 and 3 shard through FSDP whenever there is more than one data-parallel rank."""
+    return zero >= 2 and dims.dp > 1
+
+
+def fsdp_mesh(runtime: Runtime) -> DeviceMesh:
+    """1-D (dp_shard) mesh, or 2-D (dp_replicate, dp_shard) for hybrid sharding."""
+    if runtime.dims.dp_replicate > 1:
+        return runtime.mesh["dp_replicate", "dp_shard"]
+    return runtime.mesh["dp_shard"]
+
+
+def apply_fsdp(model: nn.Module, runtime: Runtime, config: Config) -> None:
+    """Shard `model` in place (its class becomes an `FSDPModule`); works on meta-device models."""
+    compute = config.precision.dtype
+    offload = config.parallel.cpu_offload
+    policy = {
+        "mesh": fsdp_mesh(runtime),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=None if compute == "fp32" else DTYPES[compute],
+            reduce_dtype=DTYPES[config.precision.reduce_dtype],
+        ),
+        "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
+    }
+    for block in model.blocks.values():
+        fully_shard(block, reshard_after_forward=config.parallel.zero == 3, **policy)
+    fully_shard(model, **policy)  # the root keeps its parameters gathered after forward: backward starts there
+
+
+@contextlib.contextmanager
+def fsdp_gradient_sync(model: FSDPModule, sync: bool) -> Iterator[None]:
+    """Without sync, FSDP accumulates unsharded gradients locally instead of reduce-scattering them."""
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

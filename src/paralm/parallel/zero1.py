@@ -1,0 +1,87 @@
+"""ZeRO-1: optimizer state sharded over the data-parallel ranks, parameters and gradients replicated.
+
+PyTorch's `ZeroRedundancyOptimizer` does it: DDP all-reduces full gradients as for ZeRO-0, then
+each rank steps the inner optimizer for its partition of the parameters (whole tensors, balanced
+greedily by size) and broadcasts the updated ones. With hybrid sharding the state is sharded over
+the `dp_shard` ranks and replicated across `dp_replicate`.
+
+Checkpoints: DCP's `get_state_dict` cannot take a `ZeroRedundancyOptimizer` (its `state_dict()`
+first consolidates everything on one rank). Here each rank contributes the state of the
+parameters it owns, keyed by parameter name exactly as `get_state_dict` keys a plain optimizer's,
+so a ZeRO-1 checkpoint loads into any layout and any checkpoint loads into ZeRO-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from paralm.config import ParallelConfig
+from paralm.parallel.runtime import Runtime
+
+
+def shard_optimizer_state(
+    optimizer: torch.optim.Optimizer, runtime: Runtime, parallel: ParallelConfig
+) -> torch.optim.Optimizer:
+    """`optimizer` itself, or under ZeRO-1 the same optimizer (class, groups, hyperparameters) sharded."""
+    if parallel.zero != 1 or runtime.dims.dp == 1:
+        return optimizer
+    return ZeroRedundancyOptimizer(
+        optimizer.param_groups,  # each group carries all its hyperparameters
+        optimizer_class=type(optimizer),
+        process_group=runtime.mesh["dp_shard"].get_group(),
+        lr=optimizer.defaults["lr"],
+    )
+
+
+def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state dicts for DCP, by parameter name; for loading, they are the targets
+    DCP fills in place."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return get_state_dict(model, optimizer)
+    model_state = get_model_state_dict(model)
+    name_of: dict[int, str] = {}
+    for name, tensor in model_state.items():  # state-dict tensors share storage with the parameters
+        name_of.setdefault(tensor.data_ptr(), name)  # a tied weight takes its first name, as in get_state_dict
+
+    local = optimizer.optim
+    _initialise_state(local)
+    state = {name_of[p.data_ptr()]: local.state[p] for p in local.state}
+    groups = []
+    for group in optimizer.param_groups:  # the global groups: every parameter, on every rank
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyperparameters, "params": [name_of[p.data_ptr()] for p in group["params"]]})
+    return model_state, {"state": state, "param_groups": groups}
+
+
+def set_state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any], optim_state: dict[str, Any]
+) -> None:
+    """Apply what DCP loaded into the targets of `get_state_dicts`."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        return
+    # The optimizer's own state tensors were the load targets; the hyperparameters come from the config.
+    set_state_dict(model, optimizers=(), model_state_dict=model_state, optim_state_dict={})
+
+
+@torch.no_grad()
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (e.g. Adam's moments) with a step of zero gradients at lr 0, so
+    there are tensors to save or to load into before the first real step (as `get_state_dict` does)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):  # already there, or mid-step
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,149 @@
+"""Model-state memory per rank: counted from the tensors this rank holds, beside the ZeRO paper's prediction.
+
+Rajbhandari et al. 2020 (ZeRO, section 3) count model state per parameter. With mixed-precision
+Adam: 2 bytes of fp16 parameters, 2 of fp16 gradients, K = 12 of optimizer state (fp32 master
+copy, momentum, variance). Stage 1 shards the optimizer state over the N data-parallel ranks,
+stage 2 also the gradients, stage 3 also the parameters:
+
+    mixed precision, Adam:  ZeRO-0 16Ψ,  ZeRO-1 4Ψ + 12Ψ/N,  ZeRO-2 2Ψ + 14Ψ/N,  ZeRO-3 16Ψ/N
+    fp32, Adam (4 + 4, K = 8: no separate master copy):
+                            ZeRO-0 16Ψ,  ZeRO-1 8Ψ + 8Ψ/N,   ZeRO-2 4Ψ + 12Ψ/N,  ZeRO-3 16Ψ/N
+    SGD (no momentum): K = 0 in fp32, K = 4 (the master copy) in mixed precision.
+
+What is counted (unique tensors, a DTensor by its local shard):
+- parameters: after each training forward, those the module holds (gathered by FSDP where it keeps
+  them for backward) together with the optimizer's (FSDP's sharded fp32 masters);
+- gradients: after backward, before the optimizer step;
+- optimizer state: after the step (ZeRO-1: the local partition's).
+Where PyTorch keeps more than the paper's accounting, the measurement says so: FSDP's ZeRO-2 holds
+the gathered parameters and the sharded master copy (+4Ψ/N in fp32); autocast and FSDP's mixed
+precision keep fp32 master weights and fp32 gradients where the paper has fp16 ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from paralm.config import Config
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each part of the model state, in the paper's accounting."""
+
+    params: int
+    grads: int
+    optim: int
+
+    @classmethod
+    def of(cls, dtype: str, optimizer: str) -> StateBytes:
+        if dtype == "fp32":
+            return cls(4, 4, 8 if optimizer == "adamw" else 0)
+        return cls(2, 2, 12 if optimizer == "adamw" else 4)
+
+
+@dataclass(frozen=True)
+class ZeroPrediction:
+    """The paper's model-state bytes per rank for one stage, N shards and Ψ parameters."""
+
+    stage: int
+    shards: int
+    num_params: int
+    per_param: StateBytes
+
+    def _split(self) -> tuple[int, int]:
+        """(replicated, sharded) bytes per parameter."""
+        b, s = self.per_param, self.stage
+        parts = ((b.params, s >= 3), (b.grads, s >= 2), (b.optim, s >= 1))
+        return sum(n for n, sharded in parts if not sharded), sum(n for n, sharded in parts if sharded)
+
+    @property
+    def bytes(self) -> float:
+        replicated, sharded = self._split()
+        return self.num_params * (replicated + sharded / self.shards)
+
+    @property
+    def formula(self) -> str:
+        replicated, sharded = self._split()
+        terms = [f"{replicated}Ψ"] if replicated else []
+        terms += [f"{sharded}Ψ/N"] if sharded else []
+        return " + ".join(terms) or "0"
+
+
+def predict(config: Config, model: nn.Module, shards: int) -> ZeroPrediction:
+    num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
+    stage = config.parallel.zero if shards > 1 else 0
+    return ZeroPrediction(stage, shards, num_params, StateBytes.of(config.precision.dtype, config.train.optimizer))
+
+
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct tensors this rank holds (a tied weight once, a DTensor by its shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        seen[local.data_ptr()] = local.numel() * local.element_size()
+    return sum(seen.values())
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+class ModelStateMeter:
+    """Measures parameter, gradient and optimizer-state bytes of one training step on this rank."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._param_bytes = self._grad_bytes = 0
+        model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
+        if torch.is_grad_enabled():  # training, not evaluation
+            held = local_bytes([*module.parameters(), *_optimizer_params(self.optimizer)])
+            self._param_bytes = max(self._param_bytes, held)
+
+    def after_backward(self) -> None:
+        params = [*self.model.parameters(), *_optimizer_params(self.optimizer)]
+        self._grad_bytes = local_bytes(p.grad for p in params)
+
+    def after_step(self) -> dict[str, int]:
+        """The step's metrics (`param_bytes`, `grad_bytes`, `optim_bytes`), then reset for the next."""
+        state = _local_optimizer(self.optimizer).state.values()
+        optim = local_bytes(v for per_param in state for v in per_param.values() if isinstance(v, torch.Tensor))
+        row = {"param_bytes": self._param_bytes, "grad_bytes": self._grad_bytes, "optim_bytes": optim}
+        self._param_bytes = self._grad_bytes = 0
+        return row
+
+
+def describe_prediction(prediction: ZeroPrediction, dtype: str, optimizer: str) -> str:
+    """The start-up line: which formula applies and what it predicts."""
+    accounting = "mixed-precision" if dtype != "fp32" else "fp32"
+    return (
+        f"memory: ZeRO-{prediction.stage} over N = {prediction.shards}, {accounting} {optimizer}: the ZeRO paper "
+        f"predicts {prediction.formula} = {prediction.bytes / MiB:,.1f} MiB of model state per rank "
+        f"(Ψ = {prediction.num_params:,} parameters)"
+    )
+
+
+def describe_measured(row: dict[str, float], prediction: ZeroPrediction) -> str:
+    """The line after the first step: what this rank holds, against the prediction."""
+    total = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
+    return (
+        f"memory on rank 0 after the first step: parameters {row['param_bytes'] / MiB:,.1f} + gradients "
+        f"{row['grad_bytes'] / MiB:,.1f} + optimizer state {row['optim_bytes'] / MiB:,.1f} = {total / MiB:,.1f} MiB "
+        f"({total / prediction.bytes:.2f} x predicted); peak {row['peak_mem_bytes'] / MiB:,.0f} MiB"
+    )
