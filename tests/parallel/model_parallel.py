@@ -1,0 +1,80 @@
+"""Rank functions and comparisons shared by the model-parallel tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from paralm.config import Config
+from paralm.parallel.runtime import Runtime, init_runtime, shutdown
+from paralm.train.trainer import Trainer, train
+from tests.helpers import read_metrics
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients by parameter name, sharded ones gathered whole."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            grads[name] = grad.detach().clone()
+    return grads
+
+
+def one_step(config: Config, runtime: Runtime) -> tuple[float, dict[str, torch.Tensor]]:
+    """The first step's global-batch loss and this rank's gradients, without updating anything."""
+    trainer = Trainer(config, runtime)
+    loss = trainer.forward_backward(trainer.micro_batches())
+    loss = runtime.all_reduce(loss) / (runtime.dims.dp * runtime.dims.tp)
+    return loss.item(), full_gradients(trainer.model)
+
+
+def gradients_then_training(configs: list[Config]) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """For each config (all with the same degrees): one step's loss and gradients, then a full run."""
+    runtime = init_runtime(configs[0].parallel)
+    results = []
+    for config in configs:
+        results.append(one_step(config, runtime))
+        train_on(config, runtime)
+    shutdown(runtime)
+    return results
+
+
+def train_on(config: Config, runtime: Runtime) -> None:
+    Trainer(config, runtime).fit()
+
+
+def train_ranks(config: Config) -> None:
+    train(config)
+
+
+def merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Gradients of all ranks by name; replicas (DP, TP) must agree."""
+    out: dict[str, torch.Tensor] = {}
+    for grads in per_rank:
+        for name, grad in grads.items():
+            if name in out:
+                torch.testing.assert_close(grad, out[name], rtol=0, atol=1e-6, msg=f"replicas differ on {name}")
+            out[name] = grad
+    return out
+
+
+def assert_gradients_match(reference: dict[str, torch.Tensor], parallel: dict[str, torch.Tensor], atol: float) -> None:
+    """Every parameter's gradient equal to one process's; a pipeline's head copy equals the tied embedding's."""
+    names = set(parallel) - {"lm_head.weight"}
+    assert names == set(reference), f"parameters differ: {sorted(names ^ set(reference))}"
+    for name in reference:
+        torch.testing.assert_close(parallel[name], reference[name], rtol=0, atol=atol, msg=name)
+    if "lm_head.weight" in parallel:  # the pipeline's copy of the tied weight got the summed gradient
+        torch.testing.assert_close(parallel["lm_head.weight"], reference["wte.weight"], rtol=0, atol=atol)
+
+
+def assert_runs_match(reference: Config, parallel: Config, atol: float) -> None:
+    """Same steps, losses, gradient norms and final validation loss as one process."""
+    a, b = read_metrics(reference.run.dir), read_metrics(parallel.run.dir)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for key in ("loss", "grad_norm"):
+        diff = max(abs(x[key] - y[key]) for x, y in zip(a, b, strict=True))
+        assert diff <= atol, f"{parallel.run.dir}: {key} differs by {diff:.2e}"
+    assert abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= atol
+    assert a[-1]["loss"] < a[0]["loss"]  # it trained

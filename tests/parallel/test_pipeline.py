@@ -1,0 +1,68 @@
+"""Pipeline parallelism equals one process, for every schedule of `torch.distributed.pipelining`.
+
+Each schedule runs the same micro-batches through the same layers; what differs is the order of
+forwards and backwards over ranks, so the gradients are the same sums in another order (and the tied
+embedding's gradient is the sum of the first and last stage's parts, added across ranks). Rounding
+only: we allow 1e-6 absolute on every gradient entry and the first loss, 1e-5 on 5 steps' losses
+and gradient norms (as for tensor parallelism, see test_tensor_parallel).
+"""
+
+import pytest
+
+from paralm.parallel.runtime import init_runtime
+from paralm.train.trainer import train
+from tests.helpers import tiny_config
+from tests.multiprocess import run_ranks
+from tests.parallel.model_parallel import (
+    assert_gradients_match,
+    assert_runs_match,
+    gradients_then_training,
+    merged,
+    one_step,
+)
+
+# (schedule, model chunks per rank); V schedules need two
+PP2_SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2),
+    ("zbv_zero_bubble", 2),
+    ("dualpipev", 2),
+]
+
+
+def _reference(tmp_path, n_layer):
+    config = tiny_config(tmp_path / f"single{n_layer}", model={"n_layer": n_layer})
+    loss, grads = one_step(config, init_runtime(config.parallel))
+    train(config)
+    return config, loss, grads
+
+
+def _check(tmp_path, pp, schedules, n_layer):
+    reference, loss, grads = _reference(tmp_path, n_layer)
+    configs = [
+        tiny_config(
+            tmp_path / f"{schedule}_v{virtual}",
+            model={"n_layer": n_layer},
+            parallel={"pp": pp, "pp_schedule": schedule, "pp_virtual_stages": virtual, "pp_microbatches": 4},
+        )
+        for schedule, virtual in schedules
+    ]
+    per_rank = run_ranks(gradients_then_training, pp, tmp_path, configs)
+    for i, config in enumerate(configs):
+        last_stage_losses = [results[i][0] for results in per_rank]
+        assert all(abs(x - loss) < 1e-6 for x in last_stage_losses), (config.parallel.pp_schedule, last_stage_losses)
+        assert_gradients_match(grads, merged([results[i][1] for results in per_rank]), atol=1e-6)
+        assert_runs_match(reference, config, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_every_schedule_on_two_stages_matches_one_process(tmp_path):
+    _check(tmp_path, 2, PP2_SCHEDULES, n_layer=4)
+
+
+@pytest.mark.slow
+def test_four_stages_with_1f1b_and_interleaved_1f1b_match_one_process(tmp_path):
+    _check(tmp_path, 4, [("1f1b", 1), ("interleaved_1f1b", 2)], n_layer=8)

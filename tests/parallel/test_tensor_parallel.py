@@ -1,0 +1,77 @@
+"""Tensor parallelism (with and without sequence parallelism) equals one process.
+
+Tolerances: TP computes the same fp32 sums in another order (row-wise layers add per-rank partial
+sums in an all-reduce, the vocabulary-parallel softmax reduces its max and sum over ranks), so
+results differ by rounding only: measured ~5e-8 on gradients whose largest entries are ~1e-1. We
+allow 1e-6 absolute on every gradient entry and on the first loss, and 1e-5 on the losses and
+gradient norms of 5 AdamW steps (rounding grows a little through the updates).
+"""
+
+import pytest
+from torch.distributed.tensor import Shard
+
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.train.trainer import Trainer, train
+from tests.helpers import tiny_config
+from tests.multiprocess import run_ranks
+from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, gradients_then_training, one_step
+
+
+def _reference(tmp_path):
+    config = tiny_config(tmp_path / "single")
+    loss, grads = one_step(config, init_runtime(config.parallel))
+    train(config)
+    return config, loss, grads
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_match_one_process(tmp_path):
+    reference, loss, grads = _reference(tmp_path)
+    configs = [
+        tiny_config(tmp_path / name, parallel={"tp": 2, "sequence_parallel": sp})
+        for name, sp in (("tp", False), ("sp", True))
+    ]
+    per_rank = run_ranks(gradients_then_training, 2, tmp_path, configs)
+    for i, config in enumerate(configs):
+        for rank_results in per_rank:  # both TP ranks hold the whole (replicated) loss and every gradient
+            rank_loss, rank_grads = rank_results[i]
+            assert abs(rank_loss - loss) < 1e-6
+            assert_gradients_match(grads, rank_grads, atol=1e-6)
+        assert_runs_match(reference, config, atol=1e-5)
+
+
+def _logits_and_shards(config):
+    runtime = init_runtime(config.parallel)
+    trainer = Trainer(config, runtime)
+    x, _ = trainer.micro_batches()[0]
+    logits = trainer.train_module(x)
+    result = {
+        "logits_placements": logits.placements,
+        "local_logits": tuple(logits.to_local().shape),
+        "local_weights": {n: tuple(p.to_local().shape) for n, p in trainer.model.named_parameters() if "attn" in n},
+        "tied": trainer.model.lm_head.weight is trainer.model.wte.weight,
+    }
+    shutdown(runtime)
+    return result
+
+
+@pytest.mark.slow
+def test_logits_stay_sharded_over_the_vocabulary_and_heads_are_split(tmp_path):
+    config = tiny_config(tmp_path / "tp", parallel={"tp": 2})
+    vocab, d_model = config.model.vocab_size, config.model.d_model
+    for result in run_ranks(_logits_and_shards, 2, tmp_path, config):
+        assert result["logits_placements"] == (Shard(2),)  # the loss never sees full-vocabulary logits
+        assert result["local_logits"][-1] == vocab // 2
+        assert result["local_weights"]["blocks.0.attn.wq.weight"] == (d_model // 2, d_model)  # column-wise
+        assert result["local_weights"]["blocks.0.attn.wo.weight"] == (d_model, d_model // 2)  # row-wise
+        assert result["tied"]  # the embedding and head share one sharded weight
+
+
+def test_tensor_parallel_plan_shards_norms_only_with_sequence_parallel():
+    from paralm.model import GPT, GPTConfig
+    from paralm.parallel.tensor import tensor_parallel_plan
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32))
+    plain, sequence = tensor_parallel_plan(model, False), tensor_parallel_plan(model, True)
+    assert "blocks.0.ln_1" not in plain and "wpe" not in plain
+    assert {"blocks.0.ln_1", "blocks.0.ln_2", "ln_f", "wpe"} <= set(sequence)
