@@ -37,6 +37,11 @@ def check_model_parallel(config: Config) -> None:
     if p.pp_microbatches < 0:
         raise UserError(f"parallel.pp_microbatches = {p.pp_microbatches} must be positive (or 0: parallel.pp)")
     _check_tensor_parallel(config)
+    if p.zero == 1 and p.tp * p.pp > 1:
+        raise UserError(
+            "parallel.zero = 1 (ZeroRedundancyOptimizer) cannot hold tensor- or pipeline-parallel parameters: "
+            "use parallel.zero = 0 (replicated) or 2 or 3 (sharded) with parallel.tp or parallel.pp > 1"
+        )
     if p.pp == 1:  # the pipeline fields shape nothing then
         return
     stages = num_stages(config)

@@ -15,6 +15,7 @@ from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.fsdp import apply_fsdp, uses_fsdp
 from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
+from paralm.parallel.replicate import apply_replicate
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.tensor import apply_tensor_parallel
 
@@ -40,6 +41,8 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
         apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 shards the optimizer: paralm.parallel.zero1)
     _materialize(model, runtime, config)  # after sharding, so each rank allocates only its shards
     if runtime.dims.dp > 1 and not fsdp:
+        if runtime.dims.tp > 1 or runtime.dims.pp > 1:
+            return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
         return apply_ddp(model, runtime, config.comm.bucket_mb)
     return model
 
