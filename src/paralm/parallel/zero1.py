@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from paralm.config import ParallelConfig
@@ -38,11 +43,16 @@ def shard_optimizer_state(
     )
 
 
+# Optimizer state flattened to one key per parameter, hyperparameters included: pipeline stages hold
+# different parameters, and nested param groups (lists of names) would be saved from one rank only.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """Model and optimizer state dicts for DCP, by parameter name; for loading, they are the targets
     DCP fills in place."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return get_state_dict(model, optimizer)
+        return get_state_dict(model, optimizer, options=FLAT)
     model_state = get_model_state_dict(model)
     name_of: dict[int, str] = {}
     for name, tensor in model_state.items():  # state-dict tensors share storage with the parameters
@@ -50,12 +60,11 @@ def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
 
     local = optimizer.optim
     _initialise_state(local)
-    state = {name_of[p.data_ptr()]: local.state[p] for p in local.state}
-    groups = []
+    flat = {f"state.{name_of[p.data_ptr()]}.{k}": v for p, state in local.state.items() for k, v in state.items()}
     for group in optimizer.param_groups:  # the global groups: every parameter, on every rank
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyperparameters, "params": [name_of[p.data_ptr()] for p in group["params"]]})
-    return model_state, {"state": state, "param_groups": groups}
+        for p in group["params"]:
+            flat.update({f"param_groups.{name_of[p.data_ptr()]}.{k}": v for k, v in group.items() if k != "params"})
+    return model_state, flat
 
 
 def set_state_dicts(
@@ -63,7 +72,7 @@ def set_state_dicts(
 ) -> None:
     """Apply what DCP loaded into the targets of `get_state_dicts`."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT)
         return
     # The optimizer's own state tensors were the load targets; the hyperparameters come from the config.
     set_state_dict(model, optimizers=(), model_state_dict=model_state, optim_state_dict={})
