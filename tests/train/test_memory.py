@@ -1,0 +1,43 @@
+"""Model-state memory: the ZeRO paper's predictions, and one process measured against them."""
+
+import pytest
+
+from paralm.train.memory import StateBytes, ZeroPrediction
+from paralm.train.trainer import train
+from tests.helpers import read_metrics, tiny_config
+
+PSI, N = 1_000_000, 8
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stage", "formula", "bytes_per_param"),
+    [  # Rajbhandari et al. 2020, section 3 (K = 12), then the same derivation for fp32 (K = 8)
+        ("bf16", 0, "16Ψ", 16),
+        ("bf16", 1, "4Ψ + 12Ψ/N", 4 + 12 / N),
+        ("bf16", 2, "2Ψ + 14Ψ/N", 2 + 14 / N),
+        ("bf16", 3, "16Ψ/N", 16 / N),
+        ("fp32", 0, "16Ψ", 16),
+        ("fp32", 1, "8Ψ + 8Ψ/N", 8 + 8 / N),
+        ("fp32", 2, "4Ψ + 12Ψ/N", 4 + 12 / N),
+        ("fp32", 3, "16Ψ/N", 16 / N),
+    ],
+)
+def test_predictions_follow_the_zero_paper(dtype, stage, formula, bytes_per_param):
+    prediction = ZeroPrediction(stage, N, PSI, StateBytes.of(dtype, "adamw"))
+    assert prediction.formula == formula
+    assert prediction.bytes == pytest.approx(bytes_per_param * PSI)
+
+
+def test_sgd_keeps_no_state_in_fp32_and_a_master_copy_in_mixed_precision():
+    assert ZeroPrediction(0, 1, PSI, StateBytes.of("fp32", "sgd")).formula == "8Ψ"
+    assert ZeroPrediction(1, N, PSI, StateBytes.of("fp16", "sgd")).formula == "4Ψ + 4Ψ/N"
+
+
+def test_one_process_holds_what_the_formula_says(tmp_path, capsys):
+    config = tiny_config(tmp_path, train={"steps": 1})
+    train(config)
+    row = read_metrics(config.run.dir)[0]
+    assert row["param_bytes"] == row["grad_bytes"]  # fp32 weights and their gradients
+    assert row["optim_bytes"] == pytest.approx(2 * row["param_bytes"], rel=1e-3)  # AdamW moments (+ step counters)
+    assert row["peak_mem_bytes"] > sum(row[k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+    assert "(1.00 x predicted)" in capsys.readouterr().err
