@@ -24,7 +24,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc > 1 and not running_under_launcher():
         from paralm.parallel.dims import ParallelDims
 
-        ParallelDims.from_config(config.parallel, world_size=args.nproc)  # fail before spawning
+        ParallelDims.from_config(config.parallel, args.nproc, config.sync.servers)  # fail before spawning
         return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides])
     train(config)
     return 0

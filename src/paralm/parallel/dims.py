@@ -32,8 +32,17 @@ class ParallelDims:
         return self.pp * self.dp * self.tp
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
-        """Resolve -1 degrees and check that the degrees multiply to the world size."""
+    def from_config(cls, parallel: ParallelConfig, world_size: int, servers: int = 0) -> ParallelDims:
+        """Resolve -1 degrees and check that the degrees multiply to the world size.
+
+        `servers` parameter-server ranks stand outside the mesh: the degrees cover the other ranks.
+        """
+        if servers >= world_size:
+            raise UserError(
+                f"sync.ps_servers = {servers} leaves no worker among the {world_size} ranks: "
+                "start more processes or use fewer servers"
+            )
+        world_size -= servers
         for name in ("tp", "pp"):
             if getattr(parallel, name) < 1:
                 raise UserError(f"parallel.{name} = {getattr(parallel, name)} must be at least 1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
 from paralm.errors import USER_ERROR_EXIT_CODE
@@ -32,7 +32,14 @@ def launch_local_workers(nproc: int, paralm_args: list[str]) -> int:
         codes = {failure.exitcode for failure in e.failures.values()}
         if codes == {USER_ERROR_EXIT_CODE}:
             return USER_ERROR_EXIT_CODE
-        first = e.get_first_failure()[1]
-        print(f"paralm: worker rank {first.rank} failed with exit code {first.exitcode}", file=sys.stderr)
+        # Peers of a dead rank fail too, within the same second (timestamps are whole seconds): a rank
+        # killed by a signal is the likelier cause, so it goes first among equal times.
+        failures = sorted(e.failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode > 0, item[0]))
+        described = [f"rank {rank} failed ({_cause(failure)})" for rank, failure in failures]
+        print(f"paralm: worker {described[0]}" + "".join(f"; then {d}" for d in described[1:]), file=sys.stderr)
         return 1
     return 0
+
+
+def _cause(failure: ProcessFailure) -> str:
+    return f"exit code {failure.exitcode}" if failure.exitcode > 0 else f"signal {failure.signal_name()}"

@@ -11,6 +11,7 @@ from torch import nn
 
 from paralm.config import Config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
+from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.fsdp import apply_fsdp, uses_fsdp
 from paralm.parallel.materialize import has_meta_tensors, materialize
@@ -40,10 +41,11 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
     if fsdp:
         apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 shards the optimizer: paralm.parallel.zero1)
     _materialize(model, runtime, config)  # after sharding, so each rank allocates only its shards
-    if runtime.dims.dp > 1 and not fsdp:
+    if runtime.dims.dp > 1 and not fsdp and config.sync.mode == "allreduce":  # other modes sync parameters
         if runtime.dims.tp > 1 or runtime.dims.pp > 1:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
-        return apply_ddp(model, runtime, config.comm.bucket_mb)
+        ddp = apply_ddp(model, runtime, config.comm.bucket_mb)
+        return register_compression(ddp, runtime.dp_group, runtime.comm, config.comm)
     return model
 
 

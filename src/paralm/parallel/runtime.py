@@ -8,7 +8,7 @@ on CPUs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paralm.config import ParallelConfig
+from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.dims import MESH_DIMS, ParallelDims
 
 
@@ -28,14 +29,21 @@ class Runtime:
     dims: ParallelDims
     mesh: DeviceMesh | None  # None for a single process
     dp_mesh: DeviceMesh | None  # dp_replicate x dp_shard flattened: the ranks that see different data
+    servers: int = 0  # parameter-server ranks (the first ones): outside the mesh, they run no model
+    group: dist.ProcessGroup | None = None  # the ranks that step together: all (None), the workers, or the servers
+    comm: CommStats = field(default_factory=CommStats)  # bytes this rank hands to torch.distributed
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def is_server(self) -> bool:
+        return self.rank < self.servers
+
+    @property
     def distributed(self) -> bool:
-        return self.mesh is not None
+        return self.world_size > 1
 
     @property
     def dp_rank(self) -> int:
@@ -46,14 +54,14 @@ class Runtime:
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place all-reduce over every rank; a no-op for a single process."""
+        """In-place all-reduce over the ranks that step together; a no-op for a single process."""
         if self.distributed:
-            dist.all_reduce(tensor, op=op)
+            dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 def select_device(local_rank: int) -> torch.device:
@@ -63,14 +71,17 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=10)) -> Runtime:
-    """Join the job the launcher set up (if any) and build the mesh for the configured degrees."""
+def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=10), servers: int = 0) -> Runtime:
+    """Join the job the launcher set up (if any) and build the mesh for the configured degrees.
+
+    With `servers` parameter-server ranks, those are ranks 0..servers-1 and the mesh holds the others.
+    """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    dims = ParallelDims.from_config(parallel, world_size)
+    dims = ParallelDims.from_config(parallel, world_size, servers)
     device = select_device(local_rank)
-    mesh = dp_mesh = None
+    mesh = dp_mesh = group = None
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -80,11 +91,18 @@ def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minute
             world_size=world_size,
             timeout=timeout,
         )
-        mesh = init_device_mesh(
-            device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=MESH_DIMS
-        )
+        shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+        if servers:
+            mesh = DeviceMesh(device.type, torch.arange(servers, world_size).view(shape), mesh_dim_names=MESH_DIMS)
+        else:
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return Runtime(rank, local_rank, world_size, device, dims, mesh, dp_mesh)
+        if servers:  # every rank takes part in creating every group
+            server_group = dist.new_group(list(range(servers)))
+            group = server_group if rank < servers else dp_mesh.get_group()
+            if rank < servers:
+                mesh = dp_mesh = None
+    return Runtime(rank, local_rank, world_size, device, dims, mesh, dp_mesh, servers, group)
 
 
 def _restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -121,7 +122,11 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     runtime.barrier()
     model_state, optim_state = get_state_dicts(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(str(partial)))
+    dcp.save(
+        {"model": model_state, "optim": optim_state},
+        storage_writer=dcp.FileSystemWriter(str(partial)),
+        process_group=runtime.group,
+    )
     if runtime.is_main:
         _write_synced(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
         _write_synced(partial / CONFIG_FILE, config.to_toml())
@@ -201,8 +206,16 @@ def _first_line_of_failure(error: CheckpointException) -> str:
     return failures[0] if failures else str(error).strip().splitlines()[-1]
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load model (and optimizer) state in place, whatever layout wrote it; returns the trainer state."""
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Load model (and optimizer) state in place, whatever layout wrote it; returns the trainer state.
+
+    Collective over `process_group` (all ranks when None).
+    """
     state = read_trainer_state(path)
     if optimizer is None:
         model_state = get_state_dict(model, optimizers=())[0]
@@ -218,7 +231,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             f"checkpoint metadata {path / '.metadata'} cannot be read ({e}): use another checkpoint"
         ) from None
     try:
-        dcp.load(target, storage_reader=reader)
+        dcp.load(target, storage_reader=reader, process_group=process_group)
     except CheckpointException as e:  # storage and shape errors, gathered from every rank
         raise UserError(f"checkpoint {path} cannot be loaded: {_first_line_of_failure(e)}") from None
     if optimizer is None:

@@ -22,12 +22,15 @@ from paralm.errors import UserError
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT, cross_entropy_loss
+from paralm.parallel.comm_stats import summarise
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.fsdp import uses_fsdp
 from paralm.parallel.grad_norm import clip_grad_norm_
+from paralm.parallel.local_sgd import model_averager
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.pipeline import Pipeline
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
+from paralm.parallel.straggler import straggle
 from paralm.parallel.tensor import dropout_rank, local_value, loss_context
 from paralm.parallel.zero1 import shard_optimizer_state
 from paralm.train.checkpoint import (
@@ -46,8 +49,13 @@ RESOLVED_CONFIG = "config.toml"
 
 
 def train(config: Config) -> None:
-    runtime = init_runtime(config.parallel)
-    Trainer(config, runtime).fit()
+    runtime = init_runtime(config.parallel, servers=config.sync.servers)
+    if config.sync.mode == "parameter_server":
+        from paralm.parallel.param_server import run_parameter_server  # it builds its workers' Trainers
+
+        run_parameter_server(config, runtime)
+    else:
+        Trainer(config, runtime).fit()
     shutdown(runtime)  # only on success: after a failure the launcher tears the job down
 
 
@@ -95,6 +103,7 @@ class Trainer:
         self.flops_per_token, self.num_params = self.model.flops_per_token(), self.model.num_params()
         self.train_module = parallelize(self.model, runtime, config)
         self.optimizer = shard_optimizer_state(build_optimizer(self.model, t), runtime, config.parallel)
+        self.averager = model_averager(self.model, runtime, config.sync)  # local SGD / DiLoCo, else None
         sharded_grads = uses_fsdp(config.parallel.zero, runtime.dims)
         self.scaler = LossScaler(config.precision.dtype, self.device, runtime.dp_group if sharded_grads else None)
         self.memory = ModelStateMeter(self.model, self.optimizer)
@@ -119,7 +128,7 @@ class Trainer:
         if path is None:
             return
         check_compatible(path, self.config.model)
-        state = load_checkpoint(path, self.train_module, self.optimizer)
+        state = load_checkpoint(path, self.train_module, self.optimizer, self.runtime.group)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
 
@@ -151,14 +160,17 @@ class Trainer:
                 self.logger.progress(row)
             if last or (ckpt.every and self.step % ckpt.every == 0):
                 self.save()
+        run_dir = self.run_dir if self.logger else None
+        comm = summarise(self.runtime.comm, self.runtime.world_size, self.step - first, run_dir)
         if self.logger:
+            self.logger.message(comm)
             self.logger.close()
 
-    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's share of the global batch starting at `samples_seen`."""
+    def micro_batches(self, starts: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the global batch starting at `samples_seen` (or the micro-batches at `starts`)."""
         size = self.layout.micro_batch_size
         batches = []
-        for start in self.layout.micro_batch_starts(self.samples_seen, self.runtime.dp_rank):
+        for start in starts or self.layout.micro_batch_starts(self.samples_seen, self.runtime.dp_rank):
             windows = sample_windows(self.config.train.seed, start, size, self.train_data.num_windows)
             x, y = self.train_data.batch(windows)
             batches.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
@@ -180,6 +192,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
+        straggle(self.config.sync, self.runtime.rank)
         torch.manual_seed(
             step_seed(self.config.train.seed, self.step, dropout_rank(self.runtime.rank, self.runtime.dims.tp))
         )
@@ -193,6 +206,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model, clip, self.runtime)
         scaling = self.scaler.step(self.optimizer)  # fp16: loss_scale, and overflow when the step was skipped
         self.optimizer.zero_grad(set_to_none=True)
+        if self.averager:
+            self.averager.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += self.layout.global_batch
         if self.logger and scaling.get("overflow"):
             self.logger.message(
@@ -220,6 +235,7 @@ class Trainer:
             **scaling,
             "step_time_s": step_time,
             "samples_seen": self.samples_seen,
+            "comm_bytes": self.runtime.comm.job_step_bytes(self.runtime.group, self.runtime.distributed),
         }
 
     def evaluate(self) -> float:
