@@ -20,7 +20,8 @@ def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: i
         subprocess.run(command, check=True, env=env, capture_output=True, text=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = rows[warmup_steps:]
-    numeric = [key for key, value in rows[0].items() if isinstance(value, (int, float)) and key != "step"]
+    # a key is summarised when every row has a number for it (fp16 logs no grad norm on a skipped step)
+    numeric = [key for key in rows[0] if key != "step" and all(isinstance(row.get(key), (int, float)) for row in rows)]
     return {key: statistics.median(row[key] for row in rows) for key in numeric}
 
 
