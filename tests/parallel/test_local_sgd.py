@@ -1,0 +1,89 @@
+"""Local SGD and DiLoCo on 2 ranks.
+
+- Local SGD with H = 1 and plain SGD equals all-reduce data parallelism: the mean of the replicas'
+  theta - lr * g_i is theta - lr * mean(g_i), since an SGD step (weight decay included) is linear in the
+  gradient. Clipping is not linear (the mean of clipped gradients is not the clipped mean), so these
+  runs do not clip. The two differ only in fp32 rounding order: 1e-6 on losses and weights.
+- DiLoCo with outer lr 1 and momentum 0 lands on the replicas' mean, so it equals local SGD whatever
+  the inner optimizer (AdamW here): 1e-6, the rounding of anchor - (anchor - mean).
+- Replicas differ between averagings and agree right after one; H = 2 sends half the bytes of
+  all-reduce over the same steps (gradients and parameters have the same size).
+"""
+
+import pytest
+import torch
+
+from paralm.model import GPT
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
+from paralm.train.trainer import Trainer, train
+from tests.helpers import read_metrics, tiny_config
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.slow
+SGD = {"optimizer": "sgd", "lr": 0.05, "grad_clip": 0.0, "steps": 4}
+
+
+def _train(config):
+    train(config)
+
+
+def _run(tmp_path, name, train=None, sync=None):
+    config = tiny_config(tmp_path / name, train={"steps": 4, **(train or {})}, sync=sync or {})
+    run_ranks(_train, 2, tmp_path, config)
+    return config
+
+
+def _losses(config):
+    return [row["loss"] for row in read_metrics(config.run.dir)]
+
+
+def _assert_same_training(a, b, tolerance=1e-6):
+    assert max(abs(x - y) for x, y in zip(_losses(a), _losses(b), strict=True)) < tolerance
+    weights = []
+    for config in (a, b):
+        model = GPT(config.model)
+        load_checkpoint(latest_checkpoint(config.run.dir), model)
+        weights.append(model.state_dict())
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=tolerance, msg=name)
+
+
+def test_local_sgd_with_one_local_step_equals_allreduce_for_sgd(tmp_path):
+    allreduce = _run(tmp_path, "allreduce", SGD)
+    local = _run(tmp_path, "local", SGD, {"mode": "local_sgd", "local_steps": 1})
+    _assert_same_training(allreduce, local)
+    assert _losses(local)[-1] < _losses(local)[0] - 0.05  # it trained: the comparison is not of idle runs
+
+
+def test_diloco_with_plain_outer_step_equals_local_sgd(tmp_path):
+    local = _run(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 2})
+    diloco = _run(tmp_path, "diloco", sync={"mode": "diloco", "local_steps": 2, "outer_lr": 1.0, "outer_momentum": 0.0})
+    _assert_same_training(local, diloco)
+    allreduce = _run(tmp_path, "allreduce")
+    bytes_local = sum(row["comm_bytes"] for row in read_metrics(local.run.dir))
+    assert sum(row["comm_bytes"] for row in read_metrics(allreduce.run.dir)) == 2 * bytes_local > 0
+
+
+def _replicas(config):
+    runtime = init_runtime(config.parallel)
+    trainer = Trainer(config, runtime)
+    snapshots = []
+    while trainer.step < config.train.steps:
+        trainer.train_step()
+        trainer.step += 1
+        snapshots.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+    shutdown(runtime)
+    return snapshots
+
+
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_replicas_drift_apart_and_agree_after_each_averaging(tmp_path, mode):
+    config = tiny_config(tmp_path / mode, train={"steps": 6}, sync={"mode": mode, "local_steps": 3})
+    rank0, rank1 = run_ranks(_replicas, 2, tmp_path, config)
+    for step, (a, b) in enumerate(zip(rank0, rank1, strict=True), start=1):
+        if step % 3:
+            assert (a - b).abs().max() > 1e-4, f"step {step}: replicas should differ between averagings"
+        else:
+            assert torch.equal(a, b), f"step {step}: replicas should agree after averaging"
+    assert not torch.equal(rank0[2], rank0[5])  # and they moved on in between
