@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
 from paralm.errors import UserError
@@ -141,7 +142,7 @@ class Pipeline(nn.Module):
         return total
 
     def _sum_tied_grads(self) -> None:
-        grads = [local_value(m.weight.grad) for m in self.tied_modules]
+        grads = [_grad_like_param(m.weight) for m in self.tied_modules]
         if len(grads) == 2:  # both ends on this rank
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
@@ -164,6 +165,15 @@ class Pipeline(nn.Module):
             if s + 1 not in self.runs:
                 dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.stage_to_rank[s + 1])
         return None
+
+
+def _grad_like_param(param: nn.Parameter) -> torch.Tensor:
+    """The local gradient, laid out as the parameter: a tensor-parallel embedding's gradient comes back
+    replicated over the TP group while the head's is sharded, and both ends must add the same shard."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad = grad.redistribute(placements=param.placements)
+    return local_value(grad)
 
 
 def _build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:
