@@ -37,7 +37,12 @@ LAYOUTS = {  # name: (ranks, parallel section, train section)
     "zero3": (2, {"zero": 3}, {}),
     "zero3-4ranks": (4, {"zero": 3}, {}),
     "hsdp-2x2": (4, {"zero": 3, "dp_replicate": 2, "dp_shard": 2}, {}),
-    "zero2-selective-ac": (2, {"zero": 2}, {"activation_checkpointing": "selective", "ac_every": 2}),
+    "zero2-selective-ac-grad-accum": (
+        2,
+        {"zero": 2},
+        {"activation_checkpointing": "selective", "ac_every": 2, "grad_accum": 2, "micro_batch_size": 2},
+    ),
+    "zero3-cpu-offload": (2, {"zero": 3, "cpu_offload": True}, {}),
 }
 
 
@@ -93,10 +98,11 @@ def test_sharded_layout_matches_one_process(name, reference, tmp_path):
     sgd_weights = run_ranks(train_and_gather, ranks, tmp_path, [adamw, sgd])[0][1]
 
     for run, ref in ((adamw, adamw_ref), (sgd, sgd_ref)):
-        losses = [r["loss"] for r in read_metrics(run.run.dir)]
-        expected = [r["loss"] for r in read_metrics(ref.run.dir)]
-        assert len(losses) == len(expected) == 5
-        assert max(abs(a - b) for a, b in zip(losses, expected, strict=True)) < TOLERANCE, (losses, expected)
+        rows, expected = read_metrics(run.run.dir), read_metrics(ref.run.dir)
+        assert len(rows) == len(expected) == 5
+        gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, expected, strict=True)]
+        assert max(gaps) < TOLERANCE, gaps
+        assert abs(rows[-1]["val_loss"] - expected[-1]["val_loss"]) < TOLERANCE  # evaluation on the shards too
     assert sgd_weights.keys() == sgd_ref_weights.keys()
     for key, expected in sgd_ref_weights.items():
         torch.testing.assert_close(sgd_weights[key], expected, rtol=0, atol=TOLERANCE, msg=key)

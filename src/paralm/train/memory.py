@@ -143,7 +143,7 @@ def describe_measured(row: dict[str, float], prediction: ZeroPrediction) -> str:
     """The line after the first step: what this rank holds, against the prediction."""
     total = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
     return (
-        f"memory on rank 0 after the first step: parameters {row['param_bytes'] / MiB:,.1f} + gradients "
+        f"memory per rank (the largest) after the first step: parameters {row['param_bytes'] / MiB:,.1f} + gradients "
         f"{row['grad_bytes'] / MiB:,.1f} + optimizer state {row['optim_bytes'] / MiB:,.1f} = {total / MiB:,.1f} MiB "
         f"({total / prediction.bytes:.2f} x predicted); peak {row['peak_mem_bytes'] / MiB:,.0f} MiB"
     )
