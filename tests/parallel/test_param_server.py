@@ -84,6 +84,24 @@ def test_synchronous_parameter_server_equals_allreduce(tmp_path, allreduce, serv
         torch.testing.assert_close(value, expected[name], rtol=0, atol=tolerance, msg=name)
 
 
+def test_checkpoints_move_between_parameter_server_and_allreduce(tmp_path, allreduce):
+    """The lead server writes ordinary checkpoints: 3 steps on a parameter server, one with all-reduce,
+    one more on a parameter server with 2 servers trains exactly as 5 all-reduce steps."""
+    config = _ps(tmp_path, "moved")
+    config.train.steps = 3
+    run_ranks(_train, 3, tmp_path, config)
+    config.sync.mode, config.train.steps = "allreduce", 4
+    run_ranks(_train, 2, tmp_path, config)
+    config.sync.mode, config.sync.ps_servers, config.train.steps = "parameter_server", 2, 5
+    run_ranks(_train, 4, tmp_path, config)
+    reference, moved = _rows(allreduce), _rows(config)
+    assert [r["step"] for r in moved] == list(range(5))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, moved, strict=True)) < 1e-5
+    expected = _weights(allreduce)
+    for name, value in _weights(config).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
 def test_asynchronous_parameter_server_learns_within_its_staleness_bound(tmp_path, allreduce):
     """3 workers, 10 updates of one worker's batch each; the loss must get below the synchronous run's
     loss after its first step (an async run sees fewer samples per update, so not its final loss)."""
