@@ -111,10 +111,10 @@ class Pipeline(nn.Module):
         self.has_first, self.has_last = 0 in runs, last in runs
         self.tied_modules = ([self.wte] if self.has_first else []) + ([self.lm_head] if self.has_last else [])
         self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last])
-        stages = [
+        self.stages = [
             PipelineStage(run, s, self.num_stages, runtime.device, group=self.pp_group) for s, run in runs.items()
         ]
-        self.schedule = _build_schedule(config.parallel.pp_schedule, stages, self.microbatches, self._loss)
+        self.schedule = _build_schedule(config.parallel.pp_schedule, self.stages, self.microbatches, self._loss)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits, targets) / self._loss_divisor

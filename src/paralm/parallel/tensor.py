@@ -52,9 +52,11 @@ def tensor_parallel_plan(model: GPT, sequence_parallel: bool) -> dict[str, Paral
         for part, projections, output in (("attn", ("wq", "wk", "wv"), "wo"), ("mlp", ("fc",), "proj")):
             if sequence_parallel:
                 plan[f"{block}.ln_{1 if part == 'attn' else 2}"] = SequenceParallel()
-                plan[f"{block}.{part}"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
+            # one DTensor input shared by q, k and v: their input gradients add up locally and are
+            # all-reduced (or reduce-scattered) once, not once per projection
+            plan[f"{block}.{part}"] = PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+            )
             for name in projections:
                 plan[f"{block}.{part}.{name}"] = ColwiseParallel()
             plan[f"{block}.{part}.{output}"] = RowwiseParallel(output_layouts=residual)
