@@ -119,6 +119,8 @@ class ModelStateMeter:
     def after_backward(self) -> None:
         params = [*self.model.parameters(), *_optimizer_params(self.optimizer)]
         self._grad_bytes = local_bytes(p.grad for p in params)
+        # pipeline stages run submodules, so the forward hook may not have fired: count what is held now
+        self._param_bytes = max(self._param_bytes, local_bytes(params))
 
     def after_step(self) -> dict[str, int]:
         """The step's metrics (`param_bytes`, `grad_bytes`, `optim_bytes`), then reset for the next."""
