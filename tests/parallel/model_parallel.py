@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics
 
 
@@ -44,8 +44,12 @@ def train_on(config: Config, runtime: Runtime) -> None:
     Trainer(config, runtime).fit()
 
 
-def train_ranks(config: Config) -> None:
-    train(config)
+def train_each(configs: list[Config]) -> None:
+    """Run the configs (all with the same degrees) one after the other in one process group."""
+    runtime = init_runtime(configs[0].parallel)
+    for config in configs:
+        train_on(config, runtime)
+    shutdown(runtime)
 
 
 def merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

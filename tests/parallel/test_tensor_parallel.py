@@ -14,7 +14,7 @@ from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer, train
 from tests.helpers import tiny_config
 from tests.multiprocess import run_ranks
-from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, gradients_then_training, one_step
+from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, one_step
 
 
 def _reference(tmp_path):
@@ -24,47 +24,46 @@ def _reference(tmp_path):
     return config, loss, grads
 
 
-@pytest.mark.slow
-def test_tensor_and_sequence_parallel_match_one_process(tmp_path):
-    reference, loss, grads = _reference(tmp_path)
-    configs = [
-        tiny_config(tmp_path / name, parallel={"tp": 2, "sequence_parallel": sp})
-        for name, sp in (("tp", False), ("sp", True))
-    ]
-    per_rank = run_ranks(gradients_then_training, 2, tmp_path, configs)
-    for i, config in enumerate(configs):
-        for rank_results in per_rank:  # both TP ranks hold the whole (replicated) loss and every gradient
-            rank_loss, rank_grads = rank_results[i]
-            assert abs(rank_loss - loss) < 1e-6
-            assert_gradients_match(grads, rank_grads, atol=1e-6)
-        assert_runs_match(reference, config, atol=1e-5)
-
-
-def _logits_and_shards(config):
-    runtime = init_runtime(config.parallel)
-    trainer = Trainer(config, runtime)
-    x, _ = trainer.micro_batches()[0]
-    logits = trainer.train_module(x)
-    result = {
+def _shards_gradients_and_training(configs):
+    """How the first config lays out logits and weights, then gradients and training for each config."""
+    runtime = init_runtime(configs[0].parallel)
+    trainer = Trainer(configs[0], runtime)
+    logits = trainer.train_module(trainer.micro_batches()[0][0])
+    layout = {
         "logits_placements": logits.placements,
         "local_logits": tuple(logits.to_local().shape),
         "local_weights": {n: tuple(p.to_local().shape) for n, p in trainer.model.named_parameters() if "attn" in n},
         "tied": trainer.model.lm_head.weight is trainer.model.wte.weight,
     }
+    results = []
+    for config in configs:
+        results.append(one_step(config, runtime))
+        Trainer(config, runtime).fit()
     shutdown(runtime)
-    return result
+    return layout, results
 
 
 @pytest.mark.slow
-def test_logits_stay_sharded_over_the_vocabulary_and_heads_are_split(tmp_path):
-    config = tiny_config(tmp_path / "tp", parallel={"tp": 2})
-    vocab, d_model = config.model.vocab_size, config.model.d_model
-    for result in run_ranks(_logits_and_shards, 2, tmp_path, config):
-        assert result["logits_placements"] == (Shard(2),)  # the loss never sees full-vocabulary logits
-        assert result["local_logits"][-1] == vocab // 2
-        assert result["local_weights"]["blocks.0.attn.wq.weight"] == (d_model // 2, d_model)  # column-wise
-        assert result["local_weights"]["blocks.0.attn.wo.weight"] == (d_model, d_model // 2)  # row-wise
-        assert result["tied"]  # the embedding and head share one sharded weight
+def test_tensor_and_sequence_parallel_match_one_process_with_sharded_logits_and_heads(tmp_path):
+    reference, loss, grads = _reference(tmp_path)
+    configs = [
+        tiny_config(tmp_path / name, parallel={"tp": 2, "sequence_parallel": sp})
+        for name, sp in (("tp", False), ("sp", True))
+    ]
+    per_rank = run_ranks(_shards_gradients_and_training, 2, tmp_path, configs)
+    vocab, d_model = reference.model.vocab_size, reference.model.d_model
+    for layout, _ in per_rank:
+        assert layout["logits_placements"] == (Shard(2),)  # the loss never sees full-vocabulary logits
+        assert layout["local_logits"][-1] == vocab // 2
+        assert layout["local_weights"]["blocks.0.attn.wq.weight"] == (d_model // 2, d_model)  # column-wise
+        assert layout["local_weights"]["blocks.0.attn.wo.weight"] == (d_model, d_model // 2)  # row-wise
+        assert layout["tied"]  # the embedding and head share one sharded weight
+    for i, config in enumerate(configs):
+        for _, results in per_rank:  # both TP ranks hold the whole (replicated) loss and every gradient
+            rank_loss, rank_grads = results[i]
+            assert abs(rank_loss - loss) < 1e-6
+            assert_gradients_match(grads, rank_grads, atol=1e-6)
+        assert_runs_match(reference, config, atol=1e-5)
 
 
 def test_tensor_parallel_plan_shards_norms_only_with_sequence_parallel():
