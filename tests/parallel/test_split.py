@@ -52,6 +52,6 @@ def test_an_explicit_split_overrides_and_is_checked():
 
 def test_the_description_names_layers_parts_ranks_and_shares():
     text = stage_split(GPTConfig(n_layer=4), 2, []).describe({0: 0, 1: 1})
-    assert "stage 0 (rank 0): layers 0-1 + embedding" in text
-    assert "stage 1 (rank 1): layers 2-3 + head" in text
+    assert "stage 0 (pp rank 0): layers 0-1 + embedding" in text
+    assert "stage 1 (pp rank 1): layers 2-3 + head" in text
     assert text.count("% of the estimated cost") == 2

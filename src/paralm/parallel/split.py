@@ -57,7 +57,7 @@ class StageSplit:
             span = f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
             extra = (" + embedding" if stage == 0 else "") + (" + head" if stage == len(self.layers) - 1 else "")
             lines.append(
-                f"  stage {stage} (rank {stage_to_rank[stage]}): {span}{extra}, {share:.1%} of the estimated cost"
+                f"  stage {stage} (pp rank {stage_to_rank[stage]}): {span}{extra}, {share:.1%} of the estimated cost"
             )
         return "\n".join(lines)
 
