@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     prepare.add_argument("--val-fraction", type=float, default=0.1)
     prepare.set_defaults(func=_data_prepare)
+    from paralm.plan.cli import add_plan_verbs
+
+    add_plan_verbs(verbs)
     return parser
 
 

@@ -58,7 +58,9 @@ class Cluster:
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
-            raise UserError(f"cluster {self.name} has no peak FLOP/s for {dtype}; it lists {', '.join(self.peak_flops)}")
+            raise UserError(
+                f"cluster {self.name} has no peak FLOP/s for {dtype}; it lists {', '.join(self.peak_flops)}"
+            )
         return self.peak_flops[dtype]
 
     def link(self, size: int, stride: int) -> Link:
@@ -99,7 +101,9 @@ def _toml(value: object) -> str:
     return repr(value)
 
 
-def _dgx(name: str, chip: str, memory_gb: float, hbm_tbs: float, nvlink_gbs: float, ib_gbits: float, src: str) -> Cluster:
+def _dgx(
+    name: str, chip: str, memory_gb: float, hbm_tbs: float, nvlink_gbs: float, ib_gbits: float, src: str
+) -> Cluster:
     """An 8-GPU SXM node: NVLink within, one InfiniBand NIC per GPU between nodes."""
     return Cluster(
         name=name,
@@ -167,7 +171,10 @@ def load_cluster(path: str | Path) -> Cluster:
     unknown = set(raw) - fields
     missing = fields - set(raw) - {"source"}
     if unknown or missing:
-        problems = [f"unknown {', '.join(sorted(unknown))}" if unknown else "", f"missing {', '.join(sorted(missing))}" if missing else ""]
+        problems = [
+            f"unknown {', '.join(sorted(unknown))}" if unknown else "",
+            f"missing {', '.join(sorted(missing))}" if missing else "",
+        ]
         raise UserError(f"{path}: [cluster] fields {'; '.join(p for p in problems if p)}")
     try:
         cluster = Cluster(**{**raw, "peak_flops": {k: float(v) for k, v in raw["peak_flops"].items()}})

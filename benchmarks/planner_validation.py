@@ -1,0 +1,121 @@
+"""The planner against our own runs: predicted vs measured model-state bytes, peak memory and step time.
+
+    python benchmarks/planner_validation.py [--steps 12] [--runs tiny-1 tiny-ddp2 ...]
+
+For each run in RUNS, `paralm calibrate` first measures this machine for its process count (right
+before the run, since the machine's load drifts; `--clusters DIR` keeps and reuses the files), then
+the run trains through `paralm train` as a user would, and `paralm plan` prices exactly its layout
+(every layout field fixed on the command line) with `--recipe fp32-master`, how paralm stores model
+states. Measured figures come from metrics.jsonl, over the steps after the first
+two: model states, the peak memory (the process's peak RSS on CPU, the CUDA allocator's on GPU; its
+prediction includes the calibrated runtime allowance) and the fastest and median step times. The
+fastest is what calibration (also best-of-N) predicts: on a shared machine other processes slow the
+median by whatever they happen to run.
+
+Only strategies the trainer runs can be validated: add ZeRO, TP and PP rows to RUNS (e.g.
+`Run("tiny-zero1", 2, ["--parallel.zero=1"])`) as the trainer gains them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import print_table
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs/tiny.toml")]
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    nproc: int
+    args: tuple[str, ...]  # config overrides; layout fields left out take the defaults below
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+
+    def overrides(self) -> list[str]:
+        return [*TINY, *self.args, f"--train.micro_batch_size={self.micro_batch_size}",
+                f"--train.grad_accum={self.grad_accum}"]
+
+
+WIDE = ("--model.n_layer=4", "--model.n_head=8", "--model.d_model=256", "--model.block_size=256")
+DEEP = ("--model.n_layer=8", "--model.n_head=6", "--model.d_model=384", "--model.block_size=128")
+RUNS = [
+    Run("tiny-1", 1, ()),
+    Run("tiny-ddp2", 2, (), micro_batch_size=8),
+    Run("tiny-accum4", 1, (), micro_batch_size=4, grad_accum=4),
+    Run("wide-1", 1, WIDE, micro_batch_size=8),
+    Run("wide-ddp2", 2, WIDE, micro_batch_size=4),
+    Run("deep-1", 1, DEEP, micro_batch_size=8),
+    Run("deep-bf16-1", 1, (*DEEP, "--precision.dtype=bf16"), micro_batch_size=8),
+    Run("deep-ddp2", 2, DEEP, micro_batch_size=4),
+]
+STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
+# Every layout field, so the planner prices this run's layout and searches nothing.
+FIXED = ["--parallel.tp=1", "--parallel.pp=1", "--parallel.zero=0", "--train.activation_checkpointing=none"]
+
+
+def calibrate(nproc: int, folder: Path, reuse: bool) -> Path:
+    path = folder / f"cluster-{nproc}.toml"
+    if not (reuse and path.exists()):
+        subprocess.run([sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(nproc),
+                        *TINY], check=True, capture_output=True, text=True)
+    return path
+
+
+def train(run: Run, steps: int, threads: int, folder: Path) -> list[dict]:
+    """metrics.jsonl rows of a fresh `paralm train` run, without its first two (warm-up) steps."""
+    run_dir = folder / run.name
+    command = [sys.executable, "-m", "paralm", "train", *run.overrides(), f"--train.steps={steps}",
+               f"--run.dir={run_dir}", f"--nproc={run.nproc}", "--log.tensorboard=false", "--train.eval_every=0",
+               "--train.eval_samples=8", "--checkpoint.resume=none"]
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
+
+
+def predict(run: Run, cluster: Path) -> dict[str, float]:
+    command = [sys.executable, "-m", "paralm", "plan", *run.overrides(), *FIXED, f"--parallel.dp={run.nproc}",
+               "--cluster", str(cluster), "--recipe", "fp32-master", "--json", "--top", "1"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--runs", nargs="+", default=[r.name for r in RUNS], choices=[r.name for r in RUNS])
+    parser.add_argument("--clusters", type=Path, help="folder for (or with) cluster-N.toml; default: temporary")
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.clusters or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for run in (r for r in RUNS if r.name in args.runs):
+            cluster = calibrate(run.nproc, folder, reuse=args.clusters is not None)
+            steps = train(run, args.steps, max(1, cores // run.nproc), Path(tmp))
+            predicted = predict(run, cluster)
+            states = [sum(source[k] for k in STATE_KEYS) for source in (predicted, steps[-1])]
+            peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in steps))
+            times = sorted(row["step_time_s"] for row in steps)
+            rows.append([
+                run.name, str(run.nproc),
+                f"{states[0] / 2**20:.2f}", f"{states[1] / 2**20:.2f}", f"{states[0] / states[1]:.3f}",
+                f"{peak[0] / 2**20:.0f}", f"{peak[1] / 2**20:.0f}", f"{peak[0] / peak[1]:.2f}",
+                f"{1e3 * predicted['step_time_s']:.1f}", f"{1e3 * times[0]:.1f}", f"{1e3 * times[len(times) // 2]:.1f}",
+                f"{predicted['step_time_s'] / times[0]:.2f}",
+            ])
+    print_table(["run", "procs", "states MiB pred", "meas", "ratio", "peak MiB pred", "meas", "ratio",
+                 "step ms pred", "fastest", "median", "pred/fastest"], rows)
+
+
+if __name__ == "__main__":
+    main()

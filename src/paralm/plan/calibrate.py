@@ -1,0 +1,192 @@
+"""Measure this machine into a cluster description: what `paralm plan --cluster FILE.toml` prices with.
+
+`devices` local workers share the machine as `paralm train --nproc N` would (the cores split
+between them), and every figure is measured with all of them running at once, because that is
+what each one gets during training:
+- peak FLOP/s per dtype: the best large matmul (`hardware.measure_matmul_flops`);
+- efficiency: model FLOPs (6N + 12Lds) of a forward and backward of the config's GPT over its
+  time, divided by that peak: the fraction the cost model applies to every matmul;
+- memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
+  model says that step moves, so the optimizer term reproduces itself;
+- all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
+  alpha from the smallest message, beta from the slope between the two largest;
+- the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
+One machine has no inter-node link: the file repeats the intra-node figures there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from paralm.config import Config
+from paralm.plan.cluster import Cluster
+from paralm.plan.shape import ModelShape
+from paralm.plan.timing import optimizer_bytes_per_param
+
+MESSAGE_BYTES = (4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+OPTIMIZER_PARAMS = 1 << 22
+
+
+def calibrate(config: Config, devices: int, log: Callable[[str], None] = lambda line: None) -> Cluster:
+    cuda = torch.cuda.is_available()
+    workers = max(2, devices)
+    threads = max(1, (os.cpu_count() or 1) // devices)
+    log(
+        f"calibrating {devices} device(s) ({'cuda' if cuda else f'cpu, {threads} thread(s) each'}), "
+        f"all-reduce over {workers} workers"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
+        mp.spawn(_communication_worker, args=(workers, tmp), nprocs=workers, join=True)
+        mp.spawn(_compute_worker, args=(devices, threads, config, tmp), nprocs=devices, join=True)
+        measured = {
+            **json.loads((Path(tmp) / "communication.json").read_text()),
+            **json.loads((Path(tmp) / "compute.json").read_text()),
+        }
+    for key, value in measured.items():
+        log(f"  {key}: {value:.4g}")
+    name = torch.cuda.get_device_name(0) if cuda else f"cpu-{threads}-thread{'s' * (threads > 1)}"
+    model = config.model
+    return Cluster(
+        name=name.replace(" ", "-").lower(),
+        nodes=1,
+        devices_per_node=devices,
+        memory_bytes=measured["memory_bytes"],
+        peak_flops={k.removeprefix("peak_"): v for k, v in measured.items() if k.startswith("peak_")},
+        intra_bandwidth=measured["allreduce_bandwidth"],
+        intra_latency=measured["allreduce_latency"],
+        inter_bandwidth=measured["allreduce_bandwidth"],
+        inter_latency=measured["allreduce_latency"],
+        memory_bandwidth=measured["memory_bandwidth"],
+        efficiency=min(1.0, measured["efficiency"]),
+        runtime_bytes=measured["runtime_bytes"],
+        source=f"paralm calibrate, {date.today()}, torch {torch.__version__}, model {model.n_layer}x{model.d_model}",
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _communication_worker(rank: int, workers: int, folder: str) -> None:
+    gpus = torch.cuda.device_count()
+    nccl = gpus >= workers  # otherwise gloo between processes, as `paralm train` on CPUs
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    if nccl:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=workers)
+    measured = _all_reduce(device, workers)
+    if rank == 0:
+        (Path(folder) / "communication.json").write_text(json.dumps(measured))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _compute_worker(rank: int, devices: int, threads: int, config: Config, folder: str) -> None:
+    """The devices measure at once, sharing the machine as in training; rank 0 reports."""
+    import paralm.train.trainer  # noqa: F401 - what a training worker imports: the runtime allowance
+
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if rank < torch.cuda.device_count() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    measured = {"runtime_bytes": _runtime_bytes(device), **_compute(device, config)}
+    if rank == 0:
+        measured["memory_bytes"] = _memory_bytes(device, devices)
+        (Path(folder) / "compute.json").write_text(json.dumps(measured))
+
+
+def _runtime_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return float(total - free)  # the context and libraries, before any tensor
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` calls after one warm-up: like `measure_matmul_flops`, the figure other
+    processes on a shared machine disturb least (a fixed count: collectives must match on every rank)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _all_reduce(device: torch.device, n: int) -> dict[str, float]:
+    """Ring model T(S) = 2(n-1) alpha + 2(n-1)/n S / beta, on the workers' own transport."""
+    seconds = {}
+    for size in MESSAGE_BYTES:
+        tensor = torch.ones(size // 4, device=device)
+        seconds[size] = _timed(lambda t=tensor: dist.all_reduce(t), device, repeats=20)
+    small, (mid, large) = MESSAGE_BYTES[0], MESSAGE_BYTES[-2:]
+    return {
+        "allreduce_latency": seconds[small] / (2 * (n - 1)),
+        "allreduce_bandwidth": 2 * (n - 1) / n * (large - mid) / max(seconds[large] - seconds[mid], 1e-9),
+    }
+
+
+def _compute(device: torch.device, config: Config) -> dict[str, float]:
+    from paralm.hardware import measure_matmul_flops
+    from paralm.model import GPT, cross_entropy_loss
+    from paralm.train.precision import autocast
+
+    dtypes = ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
+    size = 8192 if device.type == "cuda" else 1024
+    measured = {f"peak_{d}": measure_matmul_flops(device, d, size=size) for d in dtypes}
+
+    torch.manual_seed(0)
+    model = GPT(config.model).to(device)
+    m, t = config.model, config.train
+    x = torch.randint(m.vocab_size, (t.micro_batch_size, m.block_size), device=device)
+
+    def forward_backward() -> None:
+        with autocast(device, config.precision.dtype):
+            loss = cross_entropy_loss(model(x), x)
+        loss.backward()
+
+    step = _timed(forward_backward, device, repeats=10)
+    flops = ModelShape.from_config(m).flops_per_token * x.numel()
+    measured["efficiency"] = flops / step / measured[f"peak_{config.precision.dtype}"]
+
+    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def optimizer_step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    moved = OPTIMIZER_PARAMS * optimizer_bytes_per_param("fp32", "paper", optimizer_slots=2)
+    measured["memory_bandwidth"] = moved / _timed(optimizer_step, device, repeats=10)
+    return measured
+
+
+def _memory_bytes(device: torch.device, devices: int) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return pages * page_size / devices  # the workers share the machine's memory

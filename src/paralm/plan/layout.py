@@ -1,0 +1,188 @@
+"""What the cost model prices: a `Layout` (how the job is split) for a `Workload` (what is trained).
+
+Ranks form the mesh (pp, dp_replicate, dp_shard, tp), outermost first, as `paralm.parallel.dims`
+builds it: tp ranks are neighbours, pipeline stages the farthest apart. `Rank` describes what one
+pipeline rank holds, since ranks differ: the first holds the embedding, the last (or, in V-shaped
+schedules, the first) the LM head and loss, and earlier ranks keep more micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from paralm.config import Config
+from paralm.parallel.split import stage_split
+from paralm.plan.schedules import SCHEDULES, Schedule
+from paralm.plan.shape import ModelShape
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the training settings the layout does not change."""
+
+    shape: ModelShape
+    global_batch: int  # sequences per optimizer step
+    dtype: str  # compute dtype
+    reduce_dtype: str  # dtype gradients travel in
+    optimizer_slots: int  # fp32 tensors the optimizer keeps per parameter: AdamW 2, SGD 0 (no momentum)
+    dropout: bool
+    recipe: str  # how model states are stored: see `memory.STATE_RECIPES`
+    bucket_bytes: float  # DDP gradient bucket
+    sync: str = "allreduce"  # sync.mode: allreduce | parameter_server | local_sgd | diloco
+    local_steps: int = 1  # local_sgd/diloco: steps between averagings
+    compression: str = "none"  # comm.compression of DDP's gradients: none | fp16 | bf16 | powersgd | topk
+    powersgd_rank: int = 4
+    topk_ratio: float = 0.01
+
+    @classmethod
+    def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
+        # paralm's SGD has no momentum buffer (torch.optim.SGD without momentum), AdamW two.
+        slots = 2 if config.train.optimizer == "adamw" else 0
+        return cls(
+            ModelShape.from_config(config.model),
+            global_batch,
+            config.precision.dtype,
+            config.precision.reduce_dtype,
+            slots,
+            config.model.dropout > 0,
+            recipe,
+            config.comm.bucket_mb * 2**20,
+            config.sync.mode,
+            config.sync.local_steps,
+            config.comm.compression,
+            config.comm.powersgd_rank,
+            config.comm.topk_ratio,
+        )
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.shape.block_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    zero: int
+    tp: int
+    sequence_parallel: bool
+    pp: int
+    pp_schedule: str
+    pp_microbatches: int  # pipeline micro-batches per micro-step (1 without a pipeline)
+    pp_virtual_stages: int  # model chunks per pipeline rank
+    micro_batch_size: int  # sequences per data-parallel rank per micro-step
+    grad_accum: int
+    activation_checkpointing: str  # none | selective (every ac_every-th block) | full
+    ac_every: int = 2
+    pp_split: tuple[int, ...] = ()  # layers per model chunk (pp x v of them); empty: balanced by cost
+    ps_servers: int = 0  # devices serving parameters (sync.mode = parameter_server), outside the mesh
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.dp * self.tp + self.ps_servers
+
+    @property
+    def pipeline_batch(self) -> int:
+        """Sequences in one pipeline micro-batch."""
+        return self.micro_batch_size // self.pp_microbatches
+
+    @property
+    def schedule(self) -> Schedule:
+        return SCHEDULES[self.pp_schedule]
+
+    def ranks(self, shape: ModelShape) -> tuple[Rank, ...]:
+        """What each pipeline rank holds: chunk r, r+p, ... (looped) or r and 2p-1-r (V-shaped)."""
+        return _ranks(self.pp, self.pp_virtual_stages, self.schedule.v_shape, shape, self.pp_split)
+
+    def critical_ranks(self, shape: ModelShape) -> tuple[Rank, ...]:
+        """The ranks that can be the most loaded: the first (most micro-batches in flight, the
+        embedding), the last (head and loss) and the one with the most blocks."""
+        return _critical_ranks(self.pp, self.pp_virtual_stages, self.schedule.v_shape, shape, self.pp_split)
+
+    def checkpointed_blocks(self, layers: int) -> int:
+        """Blocks whose activations are recomputed in backward. paralm's `selective` checkpoints every
+        `ac_every`-th block entirely (not Korthikanti et al.'s attention-only selective recompute),
+        counting blocks across the whole model: exact without a pipeline, within one block per stage."""
+        if self.activation_checkpointing == "full":
+            return layers
+        if self.activation_checkpointing == "selective":
+            return layers // self.ac_every
+        return 0
+
+    def apply_to(self, config: Config) -> Config:
+        """`config` with this layout's fields, e.g. to write as the TOML paralm trains with."""
+        parallel = dataclasses.replace(
+            config.parallel,
+            dp=self.dp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            zero=self.zero,
+            tp=self.tp,
+            sequence_parallel=self.sequence_parallel,
+            pp=self.pp,
+            pp_schedule=self.pp_schedule,
+            pp_microbatches=self.pp_microbatches if self.pp > 1 else 0,
+            pp_virtual_stages=self.pp_virtual_stages,
+            pp_split=list(self.pp_split),
+        )
+        train = dataclasses.replace(
+            config.train,
+            micro_batch_size=self.micro_batch_size,
+            grad_accum=self.grad_accum,
+            global_batch_size=self.micro_batch_size * self.grad_accum * self.dp,
+            activation_checkpointing=self.activation_checkpointing,
+            ac_every=self.ac_every,
+        )
+        return dataclasses.replace(config, parallel=parallel, train=train)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One pipeline rank: its position, its transformer blocks, and whether it embeds or computes the loss."""
+
+    index: int
+    layers: int
+    has_embedding: bool
+    has_head: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranks(p: int, v: int, v_shape: bool, shape: ModelShape, split: tuple[int, ...]) -> tuple[Rank, ...]:
+    # The layers of each of the p x v chunks, as paralm's pipeline splits them (balanced by cost).
+    layers = stage_split(shape, p * v, list(split)).layers
+    last = p * v - 1
+    ranks = []
+    for r in range(p):
+        owned = (r, 2 * p - 1 - r) if v_shape else range(r, p * v, p)
+        ranks.append(Rank(r, sum(layers[c] for c in owned), 0 in owned, last in owned))
+    return tuple(ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _critical_ranks(p: int, v: int, v_shape: bool, shape: ModelShape, split: tuple[int, ...]) -> tuple[Rank, ...]:
+    ranks = _ranks(p, v, v_shape, shape, split)
+    return tuple(dict.fromkeys((ranks[0], ranks[-1], max(ranks, key=lambda r: r.layers))))
+
+
+def group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
+    """(size, stride) of each process group in the mesh (pp, dp_replicate, dp_shard, tp)."""
+    t, s, r = layout.tp, layout.dp_shard, layout.dp_replicate
+    return {
+        "tp": (t, 1),
+        "dp_shard": (s, t),
+        "dp_replicate": (r, t * s),
+        "dp": (r * s, t),  # both data-parallel dims together (DDP, ZeRO over the whole group)
+        "pp": (layout.pp, t * s * r),
+    }

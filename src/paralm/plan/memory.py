@@ -1,0 +1,200 @@
+"""Memory per device: model states, activations, embeddings, logits and loss, buffers; each term separately.
+
+Model states follow Rajbhandari et al. 2020 (ZeRO, sec. 3 and 5): stage 1 shards the optimizer state,
+stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` ranks. Activations
+follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, sec. 4),
+in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size.
+The total is a sum of every term alive at the start of backward, the peak of a training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paralm.plan.cluster import Cluster
+from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload
+from paralm.plan.shape import ModelShape
+
+# Bytes per parameter for a 16-bit compute dtype: (parameters, gradients, fp32 master copy). The
+# optimizer adds 4 bytes per fp32 slot. In fp32 every recipe is (4, 4, 0): the parameters are the master.
+STATE_RECIPES: dict[str, tuple[int, int, int]] = {
+    # ZeRO paper, sec. 3.1: fp16 parameters and gradients, fp32 master weights (K = 12 with Adam).
+    "paper": (2, 2, 4),
+    # Megatron-LM and DeepSpeed's bf16 optimizer: gradients accumulate in an fp32 buffer ("main_grad").
+    "fp32-grads": (2, 4, 4),
+    # torch.autocast / FSDP2 MixedPrecisionPolicy, what paralm trains with: fp32 parameters are the
+    # master copy, fp32 gradients; 16-bit copies exist only transiently (counted as buffers).
+    "fp32-master": (4, 4, 0),
+}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+
+
+def model_states(params: float, dtype: str, recipe: str, optimizer_slots: int, zero: int, shards: int) -> ModelStates:
+    """Parameter, gradient and optimizer bytes on one device holding a 1/`shards` ZeRO shard."""
+    param, grad, master = STATE_RECIPES[recipe] if DTYPE_BYTES[dtype] < 4 else (4, 4, 0)
+    optim = master + 4 * optimizer_slots
+    return ModelStates(
+        param_bytes=params * param / (shards if zero >= 3 else 1),
+        grad_bytes=params * grad / (shards if zero >= 2 else 1),
+        optim_bytes=params * optim / (shards if zero >= 1 else 1),
+    )
+
+
+def layer_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    *,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    element_bytes: int = 2,
+    dropout: bool = True,
+    flash: bool = False,
+) -> float:
+    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, sec. 4.1-4.3).
+
+    s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree, sp sequence parallel.
+    recompute: none | selective (Korthikanti's: recompute the attention core, drop the 5as/h term) |
+    full (keep only the layer input, 2sbh). With 16-bit elements and dropout the paper's forms hold:
+    none sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 + 5as/h).
+    `flash`: attention by a fused kernel (FlashAttention, Dao et al. 2022; torch's SDPA) stores no
+    s x s matrix but its output and the log-sum-exp (fp32, a*s*b), as paralm's model does.
+    """
+    sbh, e, mask = s * b * h, element_bytes, 1 if dropout else 0
+    seq_split = t if sp else 1  # SP shards what TP alone replicates along the sequence
+    if recompute == "full":
+        return e * sbh / seq_split
+    # Replicated across TP ranks without SP: both LayerNorm inputs, the q/k/v input and the MLP input
+    # (4 sbh elements), and the two residual dropout masks.
+    replicated = (4 * e + 2 * mask) * sbh
+    # Split by TP: Q and K, V, the attention output into the out projection (4 sbh elements), the
+    # GELU input and the down-projection input (4 + 4 sbh).
+    split = 12 * e * sbh
+    if flash:
+        split += e * sbh + 4 * a * s * b  # the kernel keeps its own output and the log-sum-exp
+    elif recompute == "none":
+        split += (2 * e + mask) * a * s * s * b  # softmax output, its dropout output and mask
+    return replicated / seq_split + split / t
+
+
+def backward_working_set(tokens: int, h: int, t: int, sp: bool, element_bytes: int) -> float:
+    """Gradients alive at once inside one block's backward, beyond the stored activations: through the
+    MLP, the gradients of its output (sbh), of the GELU output and of its input (4 sbh each, split by TP).
+    The paper's counts leave these transients out; we measured them on CPU (benchmarks/planner_validation)."""
+    return element_bytes * tokens * h * (1 / (t if sp else 1) + 8 / t)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded device, by term."""
+
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    activation_bytes: float  # transformer blocks: every micro-batch in flight, plus backward's working set
+    embedding_bytes: float  # the embedding's dropout mask (its output is the first block's input)
+    logits_bytes: float  # final norm, logits and loss
+    buffer_bytes: float  # communication and cast buffers
+    runtime_bytes: float  # the stated allowance of the device's runtime
+
+    @property
+    def total(self) -> float:
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optim_bytes
+            + self.activation_bytes
+            + self.embedding_bytes
+            + self.logits_bytes
+            + self.buffer_bytes
+            + self.runtime_bytes
+        )
+
+
+def rank_params(shape: ModelShape, layout: Layout, rank: Rank) -> float:
+    """Parameters on one device of `rank`: TP splits the matrices, column-parallel biases and the
+    vocabulary (Shoeybi et al. 2019, Megatron-LM sec. 3), and replicates norms, row-parallel biases and
+    position embeddings. With a pipeline, the tied LM head is a copy on the last rank (as Megatron)."""
+    t = layout.tp
+    layer = (shape.layer_matrix_params + shape.layer_column_bias_params) / t + shape.layer_replicated_params
+    total = rank.layers * layer
+    if rank.has_embedding:
+        total += shape.embedding_params / t + shape.position_params
+    if rank.has_head:
+        total += shape.final_norm_params + (0 if rank.has_embedding else shape.embedding_params / t)
+    return total
+
+
+def logits_bytes(shape: ModelShape, tokens: int, t: int, element_bytes: int) -> float:
+    """Final norm's input and output (2 sbh elements) and the loss's b x s x V tensors alive at the start
+    of backward: fp32 log-probabilities, their gradient and the logits' gradient (paralm computes the
+    loss in fp32), plus the 16-bit gradient cast back under mixed precision. Vocabulary-parallel /t."""
+    vocab = tokens * shape.vocab_size / t
+    return 2 * element_bytes * tokens * shape.d_model + vocab * (12 + (element_bytes if element_bytes < 4 else 0))
+
+
+def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> Memory:
+    shape, e = work.shape, work.element_bytes
+    t, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
+    params = rank_params(shape, layout, rank)
+    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
+    if layout.ps_servers:  # the servers keep the optimizer state (and step it)
+        states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
+    elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
+        states = ModelStates(states.param_bytes, states.grad_bytes, states.optim_bytes + 8 * params)
+
+    b, s = layout.pipeline_batch, shape.block_size
+    per_layer = dict(t=t, sp=sp, element_bytes=e, dropout=work.dropout, flash=True)
+    stored = layer_activation_bytes(s, b, shape.d_model, shape.n_head, **per_layer)
+    checkpointed = layer_activation_bytes(s, b, shape.d_model, shape.n_head, recompute="full", **per_layer)
+    n_ckpt = layout.checkpointed_blocks(rank.layers)
+    per_microbatch = n_ckpt * checkpointed + (rank.layers - n_ckpt) * stored
+    in_flight = layout.schedule.in_flight(layout.pp, layout.pp_microbatches, layout.pp_virtual_stages, rank.index)
+    # Backward recomputes one checkpointed block at a time: its full activations are a working set.
+    recompute = stored if n_ckpt else 0.0
+    activations = per_microbatch * in_flight + recompute + backward_working_set(s * b, shape.d_model, t, sp, e)
+
+    embedding = (s * b * shape.d_model / (t if sp else 1) * in_flight) if rank.has_embedding and work.dropout else 0.0
+    head_in_flight = layout.pp_microbatches if layout.schedule.holds_all else 1
+    logits = logits_bytes(shape, s * b, t, e) * head_in_flight if rank.has_head else 0.0
+    return Memory(
+        states.param_bytes,
+        states.grad_bytes,
+        states.optim_bytes,
+        activations,
+        embedding,
+        logits,
+        buffer_bytes(layout, work, params),
+        cluster.runtime_bytes,
+    )
+
+
+def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
+    """Communication and cast buffers beyond the model states (stated assumptions):
+    - ZeRO-3 gathers parameters in the compute dtype: two blocks at a time (the one computing and the
+      one prefetched, FSDP's default) without a pipeline; the whole rank with one, since gathering
+      per pipeline micro-batch would repeat every all-gather m times (torchtitan keeps them gathered);
+      plus one block's unsharded gradients before their reduce-scatter;
+    - otherwise, under mixed precision with fp32 parameters, autocast's cache of 16-bit weights (one
+      copy of the rank's parameters, alive through the forward).
+    DDP's buckets are views of the gradients (paralm sets `gradient_as_bucket_view`), so cost nothing
+    extra; NCCL's own buffers are part of the runtime allowance."""
+    e, layer = work.element_bytes, work.shape.layer_params / layout.tp
+    if layout.zero >= 3:
+        gathered = params if layout.pp > 1 else 2 * layer
+        return gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]
+    return params * e if e < 4 and STATE_RECIPES[work.recipe][0] == 4 else 0.0
+
+
+def device_memory(layout: Layout, work: Workload, cluster: Cluster) -> Memory:
+    """The memory of the most loaded pipeline rank."""
+    ranks = layout.critical_ranks(work.shape)
+    return max((rank_memory(layout, work, cluster, r) for r in ranks), key=lambda m: m.total)

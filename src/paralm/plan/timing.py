@@ -1,0 +1,220 @@
+"""Step time of a layout: compute, pipeline bubble, communication (what overlaps and what does not), optimizer.
+
+Stated assumptions:
+- compute: FLOPs (6N + 12 L d s per token, plus the forward again for recomputed blocks) over
+  peak x `cluster.efficiency`, the fraction of peak training achieves (calibrated or cited);
+- tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
+  forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path;
+- data-parallel gradient reduction overlaps the backward of the last pipeline micro-batch (DDP's
+  bucketed all-reduce; its last bucket is never hidden); ZeRO-3's parameter all-gathers are prefetched
+  behind forward and backward except the first block's; ZeRO-1/2's all-gather of updated parameters
+  after the optimizer step, the tied-embedding all-reduce between the first and last pipeline rank
+  and the parameter server's push and pull are not overlapped;
+- local SGD and DiLoCo all-reduce fp32 parameters every `sync.local_steps` steps, not overlapped;
+- with `overlap=False` nothing is hidden;
+- the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paralm.plan import comm
+from paralm.plan.cluster import Cluster, Link
+from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
+from paralm.plan.memory import STATE_RECIPES, rank_params
+from paralm.plan.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float  # model FLOPs of the busiest pipeline rank, all micro-batches
+    recompute_s: float  # forward passes repeated for checkpointed blocks
+    bubble_s: float  # pipeline fill and drain
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_exposed_s: float  # the data-parallel / ZeRO / parameter-server time not hidden behind compute
+    embedding_sync_s: float  # tied embedding gradients between the first and last pipeline rank
+    optimizer_s: float
+    dp_comm_s: float = 0.0  # all data-parallel traffic time, hidden or not (not part of the total)
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute_s
+            + self.recompute_s
+            + self.bubble_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.dp_exposed_s
+            + self.embedding_sync_s
+            + self.optimizer_s
+        )
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """Seconds one pipeline micro-batch spends on a rank: forward, recompute, input and weight gradients,
+    and the tensor-parallel collectives of forward, backward and recompute."""
+
+    f: float
+    r: float
+    b_in: float
+    w: float
+    tp_f: float
+    tp_b: float
+
+
+def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> _MicroBatch:
+    shape, t = work.shape, layout.tp
+    rate = cluster.peak(work.dtype) * cluster.efficiency * t
+    linear, attention = shape.layer_forward_flops(layout.pipeline_batch * shape.block_size)
+    head = shape.head_forward_flops(layout.pipeline_batch * shape.block_size) if rank.has_head else 0.0
+    recomputed = layout.checkpointed_blocks(rank.layers)
+    tp_link = cluster.link(*group_strides(layout)["tp"])
+    # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec. 4.2.2).
+    all_reduce = comm.all_reduce(
+        layout.pipeline_batch * shape.block_size * shape.d_model * work.element_bytes, t, tp_link
+    )
+    return _MicroBatch(
+        f=(rank.layers * (linear + attention) + head) / rate,
+        r=recomputed * (linear + attention) / rate,
+        # Input gradients cost the forward's matmuls again and attention's twice; weight gradients
+        # cost the weight matmuls again (Qi et al. 2024 split B and W so).
+        b_in=(rank.layers * (linear + 2 * attention) + head) / rate,
+        w=(rank.layers * linear + head) / rate,
+        # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
+        # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
+        tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,
+        tp_b=(2 * rank.layers + rank.has_head + 2 * recomputed) * all_reduce,
+    )
+
+
+def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool = True) -> StepTime:
+    shape, p, v, m, ga = work.shape, layout.pp, layout.pp_virtual_stages, layout.pp_microbatches, layout.grad_accum
+    ranks = layout.critical_ranks(shape)
+    costs = [_micro_batch(layout, work, cluster, r) for r in ranks]
+    mb = max(costs, key=lambda c: c.f + c.r + c.b_in + c.w + c.tp_f + c.tp_b)  # the slowest rank paces all
+
+    send = 0.0
+    if p > 1:
+        seq_split = layout.tp if layout.sequence_parallel else 1
+        activation = layout.pipeline_batch * shape.block_size * shape.d_model * work.element_bytes / seq_split
+        send = v * comm.p2p(activation, cluster.link(*group_strides(layout)["pp"]))  # one per chunk boundary
+    forward = mb.f + mb.tp_f + send
+    backward = mb.r + mb.b_in + mb.w + mb.tp_b + send
+    bubble = layout.schedule.bubble(p, v, forward, backward, mb.w)
+
+    params = max(rank_params(shape, layout, r) for r in ranks)
+    dp_total, dp_exposed = _data_parallel(layout, work, cluster, params, forward * m, backward, overlap)
+    return StepTime(
+        compute_s=ga * m * (mb.f + mb.b_in + mb.w),
+        recompute_s=ga * m * mb.r,
+        bubble_s=ga * bubble,
+        tp_comm_s=ga * m * (mb.tp_f + mb.tp_b),
+        pp_comm_s=ga * m * 2 * send,
+        dp_exposed_s=dp_exposed,
+        embedding_sync_s=_embedding_sync(layout, work, cluster),
+        optimizer_s=_optimizer(layout, work, cluster, params),
+        dp_comm_s=dp_total,
+    )
+
+
+def _data_parallel(
+    layout: Layout, work: Workload, cluster: Cluster, params: float, forward: float, backward: float, overlap: bool
+) -> tuple[float, float]:
+    """(all, exposed) seconds of gradient reduction and parameter gathering per step.
+
+    `forward` is one micro-step's forward on this rank, `backward` one pipeline micro-batch's backward:
+    the windows communication can hide behind.
+    """
+    groups = group_strides(layout)
+    dp_n, shard_n, replicate_n = groups["dp"][0], groups["dp_shard"][0], groups["dp_replicate"][0]
+    dp_link = cluster.link(*groups["dp"])
+    shard_link, replicate_link = cluster.link(*groups["dp_shard"]), cluster.link(*groups["dp_replicate"])
+    grads = params * DTYPE_BYTES[work.reduce_dtype]
+
+    def exposed(seconds: float, window: float, floor: float = 0.0) -> float:
+        return max(seconds - window, floor) if overlap else seconds
+
+    if layout.ps_servers:
+        t = comm.parameter_server(grads, dp_n, layout.ps_servers, cluster.link(layout.devices, 1))
+        return t, t
+    if work.sync in ("local_sgd", "diloco"):  # replicas average fp32 parameters (or their change) every H steps
+        t = comm.all_reduce(params * 4, dp_n, dp_link) / work.local_steps
+        return t, t
+    if layout.zero == 0:
+        t = _gradient_all_reduce(work, params, dp_n, dp_link)
+        return t, exposed(t, backward, t * min(1.0, work.bucket_bytes / grads))
+    # Sharded: reduce-scatter in the shard group, all-reduce of the shard across replicas (HSDP).
+    reduce = comm.reduce_scatter(grads, shard_n, shard_link) + comm.all_reduce(
+        grads / shard_n, replicate_n, replicate_link
+    )
+    if layout.zero in (1, 2):
+        param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
+        gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
+        # ZeRO-2 keeps only its gradient shard, so it reduces after every micro-step (paper sec. 5.2).
+        reductions = layout.grad_accum if layout.zero == 2 else 1
+        return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather
+    gather = comm.all_gather(params * work.element_bytes, shard_n, shard_link)
+    first_block = comm.all_gather(work.shape.layer_params / layout.tp * work.element_bytes, shard_n, shard_link)
+    if layout.pp == 1:  # gather for forward, again for backward, reduce-scatter: 1.5x DDP's volume
+        per_micro_step = 2 * gather + reduce
+        hidden = first_block + exposed(gather, forward) + exposed(gather + reduce, backward)
+    else:  # parameters stay gathered through the micro-step's pipeline micro-batches
+        per_micro_step = gather + reduce
+        hidden = first_block + exposed(gather, forward) + exposed(reduce, backward)
+    return layout.grad_accum * per_micro_step, layout.grad_accum * (hidden if overlap else per_micro_step)
+
+
+def _gradient_all_reduce(work: Workload, params: float, n: int, link: Link) -> float:
+    """DDP's gradient exchange through paralm's compression hooks (`comm.compression`)."""
+    if work.compression in ("fp16", "bf16"):
+        return comm.all_reduce(params * 2, n, link)
+    if work.compression == "powersgd":
+        return comm.all_reduce(powersgd_elements(work.shape, work.powersgd_rank) * 4, n, link)
+    if work.compression == "topk":  # k fp32 values and int32 indices per rank, all-gathered
+        return comm.all_gather(n * math.ceil(work.topk_ratio * params) * 8, n, link)
+    return comm.all_reduce(params * DTYPE_BYTES[work.reduce_dtype], n, link)
+
+
+def powersgd_elements(shape: ModelShape, rank: int) -> float:
+    """Elements PowerSGD all-reduces (Vogels et al. 2019): factors P (n x r) and Q (m x r) for every
+    matrix it compresses, which torch limits to those it shrinks at least twofold
+    (`min_compression_rate = 2`); vectors and the other matrices travel whole."""
+    matrices = sum(
+        count * (rank * (rows + cols) if rows * cols >= 2 * rank * (rows + cols) else rows * cols)
+        for rows, cols, count in shape.matrices
+    )
+    return matrices + shape.params - sum(rows * cols * count for rows, cols, count in shape.matrices)
+
+
+def _embedding_sync(layout: Layout, work: Workload, cluster: Cluster) -> float:
+    """With a pipeline the tied embedding lives on the first and last rank: their gradients are summed
+    (Megatron-LM does so; V-shaped schedules hold both ends on one rank and need nothing)."""
+    if layout.pp == 1 or layout.schedule.v_shape:
+        return 0.0
+    grads = work.shape.embedding_params / layout.tp * DTYPE_BYTES[work.reduce_dtype]
+    return comm.all_reduce(grads, 2, cluster.link(*group_strides(layout)["pp"]))
+
+
+def optimizer_bytes_per_param(dtype: str, recipe: str, optimizer_slots: int) -> int:
+    """Bytes an optimizer step moves per parameter: it reads the gradients twice (clipping's norm,
+    then the update), the master weights (or the fp32 parameters) and the optimizer slots, and writes
+    the slots, the master weights and the parameters."""
+    param, grad, master = STATE_RECIPES[recipe] if DTYPE_BYTES[dtype] < 4 else (4, 4, 0)
+    slots = 4 * optimizer_slots
+    return 2 * grad + (master or param) + slots + slots + master + param
+
+
+def _optimizer(layout: Layout, work: Workload, cluster: Cluster, params: float) -> float:
+    """The optimizer step over this device's shard (the servers' shards with a parameter server),
+    memory-bound: its bytes over the device's memory bandwidth."""
+    if layout.ps_servers:
+        elements = work.shape.params / layout.ps_servers
+    else:
+        elements = params / (layout.dp_shard if layout.zero >= 1 else 1)
+    return (
+        elements * optimizer_bytes_per_param(work.dtype, work.recipe, work.optimizer_slots) / cluster.memory_bandwidth
+    )

@@ -1,0 +1,56 @@
+import dataclasses
+
+import pytest
+
+from paralm.errors import UserError
+from paralm.hardware import GPU_PEAK_FLOPS
+from paralm.plan.cluster import PRESETS, load_cluster, parse_cluster
+
+
+def test_presets_take_their_peaks_from_the_one_table() -> None:
+    assert PRESETS["h100"].peak_flops is GPU_PEAK_FLOPS["H100"]
+    assert PRESETS["a100-40gb"].peak("bf16") == GPU_PEAK_FLOPS["A100"]["bf16"]
+
+
+@pytest.mark.parametrize(
+    "spec,nodes,per_node",
+    [
+        ("h100", 1, 8),
+        ("h100:64", 8, 8),
+        ("a100-80gb:1024", 128, 8),
+        ("h200x16", 2, 8),
+        ("H100x4", 1, 4),
+        ("a100", 1, 8),
+    ],
+)
+def test_shorthands(spec: str, nodes: int, per_node: int) -> None:
+    cluster = parse_cluster(spec)
+    assert (cluster.nodes, cluster.devices_per_node) == (nodes, per_node)
+
+
+@pytest.mark.parametrize("spec", ["no-such-device:8", "h100:12", "h100:0"])
+def test_bad_clusters_are_user_errors(spec: str) -> None:
+    with pytest.raises(UserError):
+        parse_cluster(spec)
+
+
+def test_links_follow_rank_placement() -> None:
+    cluster = parse_cluster("h100:64")
+    assert cluster.link(size=8, stride=1) == cluster.intra  # one node
+    assert cluster.link(size=8, stride=8) == cluster.inter  # one rank per node
+    assert cluster.link(size=4, stride=2) == cluster.intra
+
+
+def test_toml_round_trip(tmp_path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(PRESETS["h200"].to_toml())
+    assert load_cluster(path) == PRESETS["h200"]
+    assert parse_cluster(f"{path}:32") == PRESETS["h200"].with_devices(32)
+    path.write_text(PRESETS["h200"].to_toml().replace("efficiency", "efficiensy"))
+    with pytest.raises(UserError, match="efficien"):
+        load_cluster(path)
+
+
+def test_with_devices_keeps_the_hardware() -> None:
+    small = PRESETS["h100"].with_devices(2)
+    assert dataclasses.replace(small, nodes=1, devices_per_node=8) == PRESETS["h100"]

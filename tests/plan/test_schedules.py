@@ -1,0 +1,59 @@
+import pytest
+
+from paralm.config import PIPELINE_SCHEDULES, Config
+from paralm.errors import UserError
+from paralm.parallel.checks import check_model_parallel
+from paralm.plan.schedules import SCHEDULES
+
+
+def test_every_configurable_schedule_has_a_cost_model() -> None:
+    assert set(SCHEDULES) == set(PIPELINE_SCHEDULES)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_bubbles_against_the_papers(p: int) -> None:
+    f, b, w = 1.0, 2.0, 1.0  # backward costs twice the forward, half of it weight gradients
+    one_f_one_b = (p - 1) * (f + b)
+    assert SCHEDULES["gpipe"].bubble(p, 1, f, b, w) == one_f_one_b
+    assert SCHEDULES["1f1b"].bubble(p, 1, f, b, w) == one_f_one_b
+    assert SCHEDULES["interleaved_1f1b"].bubble(p, 2, f, b, w) == one_f_one_b / 2
+    # Zero bubble (Qi et al. 2024): ZB-H1 is a third of 1F1B when F = B_input = W; ZB-V is zero.
+    assert SCHEDULES["interleaved_zero_bubble"].bubble(p, 1, f, b, w) == pytest.approx(one_f_one_b / 3)
+    assert SCHEDULES["zbv_zero_bubble"].bubble(p, 2, f, b, w) == 0.0
+    assert 0 < SCHEDULES["dualpipev"].bubble(p, 2, f, b, w) < one_f_one_b
+    assert SCHEDULES["1f1b"].bubble(1, 1, f, b, w) == 0.0
+
+
+def test_in_flight_micro_batches() -> None:
+    p, m = 4, 16
+    assert [SCHEDULES["1f1b"].in_flight(p, m, 1, r) for r in range(p)] == [4, 3, 2, 1]
+    assert SCHEDULES["gpipe"].in_flight(p, m, 1, 3) == m
+    # Interleaving keeps p (1 + (p-1)/(p v)) micro-batches on the first rank (Korthikanti et al. 4.2.3).
+    assert SCHEDULES["interleaved_1f1b"].in_flight(p, m, 2, 0) == pytest.approx(p * (1 + (p - 1) / (p * 2)))
+    assert SCHEDULES["1f1b"].in_flight(p, 2, 1, 0) == 2  # never more than there are
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_accepted_micro_batch_counts_are_paralms(name: str) -> None:
+    """The planner proposes exactly the micro-batch counts paralm's own checks let through."""
+    v = SCHEDULES[name].chunks[0]
+    for p in (2, 3, 4):
+        for m in range(1, 13):
+            parallel = {"pp": p, "pp_schedule": name, "pp_virtual_stages": v, "pp_microbatches": m}
+            config = Config.from_dict(
+                {"parallel": parallel, "train": {"micro_batch_size": 27720}, "model": {"n_layer": 24}}
+            )
+            try:
+                check_model_parallel(config)
+                paralm_accepts = True
+            except UserError:
+                paralm_accepts = False
+            assert SCHEDULES[name].accepts(p, m) == paralm_accepts, (p, m)
+
+
+def test_accepted_micro_batch_counts_follow_torch() -> None:
+    assert not SCHEDULES["1f1b"].accepts(4, 3)
+    assert SCHEDULES["gpipe"].accepts(4, 3)
+    assert not SCHEDULES["interleaved_1f1b"].accepts(4, 9)  # 2 rounds of 4 and one left over
+    assert SCHEDULES["interleaved_1f1b"].accepts(4, 8)
+    assert not SCHEDULES["dualpipev"].accepts(4, 4)

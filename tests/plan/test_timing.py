@@ -1,0 +1,114 @@
+import dataclasses
+
+import pytest
+
+from paralm.plan.cluster import PRESETS
+from paralm.plan.layout import Layout, Workload
+from paralm.plan.shape import ModelShape
+from paralm.plan.timing import powersgd_elements, step_time
+
+SHAPE = ModelShape(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192)
+H100 = PRESETS["h100"].with_devices(64)
+FREE_LINKS = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0, intra_bandwidth=1e30, inter_bandwidth=1e30)
+NO_LATENCY = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0)
+
+
+def _work(batch: int = 64, reduce_dtype: str = "fp32") -> Workload:
+    return Workload(SHAPE, batch, "bf16", reduce_dtype, 2, False, "paper", 25 * 2**20)
+
+
+def _layout(**fields) -> Layout:
+    defaults = dict(
+        dp_replicate=1,
+        dp_shard=1,
+        zero=0,
+        tp=1,
+        sequence_parallel=False,
+        pp=1,
+        pp_schedule="1f1b",
+        pp_microbatches=1,
+        pp_virtual_stages=1,
+        micro_batch_size=64,
+        grad_accum=1,
+        activation_checkpointing="none",
+    )
+    return Layout(**(defaults | fields))
+
+
+def test_one_device_computes_model_flops_at_calibrated_speed() -> None:
+    time = step_time(_layout(), _work(), H100)
+    flops = SHAPE.flops_per_token * 64 * SHAPE.block_size
+    assert time.compute_s == pytest.approx(flops / (H100.peak("bf16") * H100.efficiency))
+    assert time.recompute_s == time.bubble_s == time.tp_comm_s == time.dp_exposed_s == 0
+    assert time.total == pytest.approx(time.compute_s + time.optimizer_s)
+
+
+def test_full_recompute_repeats_the_block_forwards() -> None:
+    time = step_time(_layout(activation_checkpointing="full"), _work(), H100)
+    linear, attention = SHAPE.layer_forward_flops(64 * SHAPE.block_size)
+    assert time.recompute_s == pytest.approx(
+        SHAPE.n_layer * (linear + attention) / (H100.peak("bf16") * H100.efficiency)
+    )
+
+
+def test_zero3_moves_one_and_a_half_times_ddp() -> None:
+    """Rajbhandari et al. sec. 7: ZeRO-3 all-gathers twice and reduce-scatters once, 3 Psi against 2 Psi."""
+    work = _work(reduce_dtype="bf16")
+    ddp = step_time(_layout(dp_shard=64, micro_batch_size=1), work, NO_LATENCY, overlap=False)
+    zero3 = step_time(_layout(dp_shard=64, micro_batch_size=1, zero=3), work, NO_LATENCY, overlap=False)
+    zero2 = step_time(_layout(dp_shard=64, micro_batch_size=1, zero=2), work, NO_LATENCY, overlap=False)
+    assert zero3.dp_comm_s == pytest.approx(1.5 * ddp.dp_comm_s)
+    assert zero2.dp_comm_s == pytest.approx(ddp.dp_comm_s)
+
+
+def test_overlap_hides_only_what_compute_covers() -> None:
+    layout = _layout(dp_shard=64, micro_batch_size=1)
+    hidden, shown = step_time(layout, _work(), H100), step_time(layout, _work(), H100, overlap=False)
+    assert hidden.dp_exposed_s < shown.dp_exposed_s == shown.dp_comm_s == hidden.dp_comm_s
+    assert hidden.dp_exposed_s >= shown.dp_comm_s - hidden.compute_s
+
+
+def test_compression_shrinks_the_gradient_exchange() -> None:
+    layout = _layout(dp_shard=64, micro_batch_size=1)
+    plain = step_time(layout, _work(), NO_LATENCY).dp_comm_s
+    half = step_time(layout, dataclasses.replace(_work(), compression="bf16"), NO_LATENCY).dp_comm_s
+    low_rank = step_time(layout, dataclasses.replace(_work(), compression="powersgd"), NO_LATENCY).dp_comm_s
+    sparse = step_time(layout, dataclasses.replace(_work(), compression="topk"), NO_LATENCY).dp_comm_s
+    assert half == pytest.approx(plain / 2)
+    assert low_rank < plain / 50  # rank 4 of 1024-wide matrices
+    # 1% of the entries at 8 bytes, gathered from 63 peers, against 2 x 63/64 x 4 bytes per entry
+    assert sparse == pytest.approx(plain * 0.01 * 8 * 63 / (2 * 63 / 64 * 4), rel=0.01)
+
+
+def test_powersgd_counts_only_the_matrices_it_shrinks() -> None:
+    tiny = ModelShape(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=16)
+    assert powersgd_elements(tiny, rank=4) == tiny.params  # 8 x 8 at rank 4 would not halve
+    assert powersgd_elements(SHAPE, rank=1) < SHAPE.params / 100
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (8, 32)])
+def test_1f1b_bubble_fraction(p: int, m: int) -> None:
+    time = step_time(_layout(pp=p, pp_microbatches=m), _work(), FREE_LINKS)
+    assert time.bubble_s / time.compute_s == pytest.approx((p - 1) / m)
+
+
+def test_tensor_parallel_all_reduces_per_block() -> None:
+    """Megatron: 2 all-reduces forward and 2 backward per block, one each for embedding and head."""
+    t, tokens = 8, 64 * SHAPE.block_size
+    time = step_time(_layout(tp=t), _work(), NO_LATENCY)
+    one = 2 * (t - 1) / t * tokens * SHAPE.d_model * 2 / H100.intra_bandwidth
+    assert time.tp_comm_s == pytest.approx((4 * SHAPE.n_layer + 2) * one)
+    assert step_time(_layout(tp=t, sequence_parallel=True), _work(), NO_LATENCY).tp_comm_s == pytest.approx(
+        time.tp_comm_s
+    )
+
+
+def test_groups_that_span_nodes_use_the_network() -> None:
+    """dp ranks 1 apart share a node (NVLink); with tp = 8 they are 8 apart, one per node (InfiniBand)."""
+    intra = step_time(_layout(dp_shard=8, micro_batch_size=8), _work(), NO_LATENCY, overlap=False)
+    inter = step_time(_layout(dp_shard=8, tp=8, micro_batch_size=8), _work(), NO_LATENCY, overlap=False)
+    # A tp = 8 rank holds 1/8 of the split parameters and all the replicated ones (norms, positions).
+    replicated = SHAPE.n_layer * SHAPE.layer_replicated_params + SHAPE.position_params + SHAPE.final_norm_params
+    share = ((SHAPE.params - replicated) / 8 + replicated) / SHAPE.params
+    expected = intra.dp_comm_s * share * H100.intra_bandwidth / H100.inter_bandwidth
+    assert inter.dp_comm_s == pytest.approx(expected, rel=0.01)
