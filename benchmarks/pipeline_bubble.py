@@ -3,7 +3,7 @@
     python benchmarks/pipeline_bubble.py [--steps 3] [--pp 2 4] [--microbatches 4 8 16]
 
 Every schedule paralm runs (`parallel.pp_schedule`) on pp = 2 and 4 ranks (gloo, this machine's
-cores shared out), with m micro-batches of one 128-token sequence through an 8-layer, 256-wide GPT
+cores shared out), with m micro-batches of two 128-token sequences through an 8-layer, 256-wide GPT
 (interleaved and V schedules: 2 model chunks per rank). Each rank times its own work: every call
 of its stages' forward, backward (input and weight) and the loss. idle = 1 - busy / step time,
 where the step is one `Pipeline.forward_backward` (the schedule, plus the tied-embedding gradient
@@ -13,7 +13,8 @@ forward): (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 
 (p-1)/(v·m+p-1) for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021); the other
 schedules have no closed form here (zero-bubble ones fill the bubble with weight gradients).
 With pp = 4 on fewer than 4 cores, ranks computing at once share a core: their busy time grows
-and the measured idle fraction understates the bubble.
+and the measured idle fraction understates the bubble; other load on the machine (its 1-minute
+load average is printed) stretches waits and computations alike and blurs the figures.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ SCHEDULES = [  # (name, model chunks per rank)
 ]
 MODEL = {"n_layer": 8, "n_head": 4, "d_model": 256, "block_size": 128, "vocab_size": 256, "dropout": 0.0}
 ROW = "ROW "
+SEQUENCES = 2  # per micro-batch
 
 
 def theory(schedule: str, p: int, m: int, v: int) -> float | None:
@@ -81,7 +83,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
         for m in microbatches:
             raw = {
                 "model": MODEL,
-                "train": {"micro_batch_size": m},
+                "train": {"micro_batch_size": SEQUENCES * m},
                 "parallel": {
                     "pp": pp,
                     "dp": 1,
@@ -105,7 +107,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
                 for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                     _timed(stage, name, busy)
             _timed(pipe.schedule, "_compute_loss", busy)
-            x = torch.randint(0, MODEL["vocab_size"], (m, MODEL["block_size"]))
+            x = torch.randint(0, MODEL["vocab_size"], (SEQUENCES * m, MODEL["block_size"]))
             busy_total = step_total = 0.0
             for step in range(warmup + steps):
                 busy[0] = 0.0
@@ -158,7 +160,8 @@ def main() -> None:
                 "-" if expected is None else f"{expected:.0%}",
                 f"{r['step_s'] * 1000:.0f}",
             ])  # fmt: skip
-    print(f"pipeline bubble: idle share of each rank's step ({os.cpu_count()} cores, gloo)")
+    load = os.getloadavg()[0]
+    print(f"pipeline bubble: idle share of each rank's step ({os.cpu_count()} cores, gloo, load average {load:.1f})")
     print_table(["schedule", "pp", "chunks", "m", "idle per rank", "mean", "theory", "step ms"], rows)
 
 
