@@ -33,8 +33,9 @@ def modes(args: argparse.Namespace) -> dict[str, tuple[int, list[str]]]:
     # PowerSGD's plain all-reduce steps before it starts dominate its bytes: keep them few
     n, w = args.replicas, max(2, args.steps // 24)
     ps = ["--sync.mode=parameter_server", "--sync.ps_servers=1"]
-    # asynchronous: one update is one worker's batch, so `replicas` times as many updates for the same samples
-    async_ps = [*ps, "--sync.ps_async=true", f"--sync.max_staleness={2 * n}", f"--train.steps={args.steps * n}"]
+    # asynchronous: an update is one worker's batch, so `replicas` times as many updates (and as long a
+    # learning-rate schedule, in updates) for the same samples
+    async_ps = [*ps, "--sync.ps_async=true", f"--sync.max_staleness={2 * n}", *schedule(args, n)]
     slow = [f"--sync.straggler_rank={n}", f"--sync.straggler_delay_s={args.delay}"]
     powersgd = ["--comm.compression=powersgd", "--comm.powersgd_rank=4", f"--comm.powersgd_start_step={w}"]
     return {
@@ -49,8 +50,14 @@ def modes(args: argparse.Namespace) -> dict[str, tuple[int, list[str]]]:
         "ps async": (n + 1, async_ps),
         "allreduce, slowed": (n, [f"--sync.straggler_rank={n - 1}", f"--sync.straggler_delay_s={args.delay}"]),
         "ps async, slowed": (n + 1, [*async_ps, *slow]),
-        "ps async, fast alone": (n, [*async_ps, f"--train.steps={args.steps * (n - 1)}"]),
+        "ps async, fast alone": (n, [*async_ps, *schedule(args, n - 1)]),
     }  # fmt: skip
+
+
+def schedule(args: argparse.Namespace, updates_per_step: int) -> list[str]:
+    """Steps and learning-rate schedule, in optimizer updates."""
+    steps = args.steps * updates_per_step
+    return [f"--train.steps={steps}", f"--train.warmup_steps={10 * updates_per_step}", f"--train.decay_steps={steps}"]
 
 
 def run(name: str, nproc: int, overrides: list[str], args: argparse.Namespace) -> dict:
@@ -58,7 +65,7 @@ def run(name: str, nproc: int, overrides: list[str], args: argparse.Namespace) -
     base = [
         f"--model.d_model={args.d_model}", f"--model.n_layer={args.layers}", f"--model.n_head={args.d_model // 64}",
         "--model.block_size=128", "--model.dropout=0", f"--train.micro_batch_size={args.micro_batch}",
-        f"--train.steps={args.steps}", "--train.warmup_steps=10", f"--train.decay_steps={args.steps}",
+        *schedule(args, 1),
         "--train.eval_every=0", "--train.eval_samples=256", "--checkpoint.resume=none", "--log.tensorboard=false",
     ]  # fmt: skip
     command = [
@@ -91,7 +98,8 @@ def run(name: str, nproc: int, overrides: list[str], args: argparse.Namespace) -
     if "worker" in rows[0]:  # asynchronous parameter server: each worker's rate over the run
         per_update = args.micro_batch * 128
         workers = sorted({r["worker"] for r in rows})
-        result["worker_tokens_per_s"] = {w: sum(r["worker"] == w for r in rows) * per_update / seconds for w in workers}
+        rates = {str(w): sum(r["worker"] == w for r in rows) * per_update / seconds for w in workers}  # JSON keys
+        result["worker_tokens_per_s"] = rates
         result["max_staleness_seen"] = max(r["staleness"] for r in rows)
         result["dropped"] = sum(r["dropped"] for r in rows)
     return result
@@ -132,16 +140,20 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=1.0, help="seconds the slowed worker sleeps per batch")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_sync_modes"))
-    parser.add_argument("--only", nargs="*", help="run only these modes")
+    parser.add_argument("--only", nargs="*", help="run only these modes; the others' results are kept from <out>")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    saved = args.out / "sync_modes.json"
+    kept = {r["name"]: r for r in json.loads(saved.read_text())} if args.only and saved.exists() else {}
     results = []
     for name, (nproc, overrides) in modes(args).items():
         if args.only and name not in args.only:
+            if name in kept:
+                results.append(kept[name])
             continue
         results.append(run(name, nproc, overrides, args))
         print(f"  {name}: done in {results[-1]['wall_s']:.0f} s", file=sys.stderr)
-    (args.out / "sync_modes.json").write_text(json.dumps(results, indent=1))
+    saved.write_text(json.dumps(results, indent=1))
     by_name = {r["name"]: r for r in results}
     reference = by_name.get("allreduce")
     table = []
@@ -155,13 +167,14 @@ def main() -> None:
     print_table(["mode", "ranks", "val loss", "vs allreduce", "MB sent", "fewer bytes", "tokens/s"], table)
     if "ps async, slowed" in by_name and "ps async, fast alone" in by_name:
         slowed, alone = by_name["ps async, slowed"], by_name["ps async, fast alone"]
-        fast = [w for w in slowed["worker_tokens_per_s"] if w != args.replicas]
+        slow = str(args.replicas)  # the last worker's rank
+        fast = [w for w in slowed["worker_tokens_per_s"] if w != slow]
         print("\nasynchronous parameter server, worker rates (tokens/s):")
         for w in fast:
             print(f"  worker rank {w}: {slowed['worker_tokens_per_s'][w]:,.0f} beside a slowed worker, "
                   f"{alone['worker_tokens_per_s'].get(w, 0):,.0f} alone")  # fmt: skip
-        slow_rate = slowed["worker_tokens_per_s"].get(args.replicas, 0)
-        print(f"  slowed worker rank {args.replicas}: {slow_rate:,.0f}; max staleness applied "
+        slow_rate = slowed["worker_tokens_per_s"].get(slow, 0)
+        print(f"  slowed worker rank {slow}: {slow_rate:,.0f}; max staleness applied "
               f"{slowed['max_staleness_seen']}, {slowed['dropped']} stale gradients dropped")  # fmt: skip
     if results:
         plot(results, args.out / "sync_modes.png")

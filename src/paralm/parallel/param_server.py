@@ -4,7 +4,8 @@ sharded; the other ranks are workers that pull parameters, compute gradients and
 It runs on `torch.distributed` point-to-point messages (tagged send/recv), launched by torchrun like
 every other mode. A message is a small float64 header of named fields and, for parameters and
 gradients, a flat payload in the parameters' dtype. The parameters are cut, in model order, into k
-runs of about equal size; server s owns run s and is the only one to step it.
+runs of about equal size; server s owns run s, holds optimizer state for it alone and is the only one
+to step it (the lead server also keeps a copy of the others' runs, refreshed at checkpoints).
 
 Synchronous (`sync.ps_async = false`): a step waits for every worker's gradient; the servers average
 them as DDP's all-reduce does (divide by the workers, sum in rank order), clip by the norm of the
@@ -16,7 +17,8 @@ other servers, so every run sees the same sequence of updates. A gradient comput
 `s` updates old (its staleness) is applied as soon as it arrives if s <= `sync.max_staleness`;
 otherwise it is dropped, its batch is queued for the next pull, and the worker that fell that far
 behind restarts from fresh parameters: it waits, the others never do. Each worker clips its own
-gradient, as a one-process step would.
+gradient, as a one-process step would. A step (`train.steps`, the lr schedule) is one update, of one
+worker's batch: an asynchronous run sees 1/workers of the samples of a synchronous run of as many steps.
 
 The lead server writes the metrics, one row per update (asynchronous: with its staleness and worker),
 with `comm_bytes` = the bytes all ranks sent for it: workers report their traffic in their headers
@@ -219,12 +221,16 @@ class Server:
         self.params = list(self.model.parameters())
         self.bounds = shard_bounds([p.numel() for p in self.params], self.servers)
         self.owned = self.params[self.bounds[runtime.rank].start : self.bounds[runtime.rank].stop]
-        self.optimizer = build_optimizer(self.model, config.train)
+        self.optimizer = build_optimizer(self.model, config.train)  # it keeps state only for what it steps
+        if not self.lead:  # which is only the owned run: drop the rest (the lead keeps it, to write checkpoints)
+            for p in self.params[: self.bounds[runtime.rank].start] + self.params[self.bounds[runtime.rank].stop :]:
+                p.data = p.data.new_empty(0)
         t = config.train
         self.per_push = t.grad_accum * t.micro_batch_size
         self.update_batch = self.per_push * (1 if config.sync.ps_async else self.workers)
         self.version = self.samples_seen = 0
         self._receive_initial_state()
+        self.first_version = self.version
         self.next_sample = self.samples_seen  # asynchronous: the next batch to hand out
         self.pending_traffic = 0.0  # reported by workers, not yet in a row
         self.logger = self._open_log() if self.lead else None
@@ -311,12 +317,11 @@ class Server:
     def serve(self) -> None:
         if self.logger and self.version >= self.config.train.steps:
             self.logger.message(f"nothing to do: the checkpoint is at step {self.version}")
-        first = self.version
         (self._serve_async if self.config.sync.ps_async else self._serve_sync)()
         self.runtime.comm.sent += self.peers.sent
         self.runtime.comm.received += self.peers.received
         run_dir = Path(self.config.run.dir) if self.logger else None
-        line = summarise(self.runtime.comm, self.runtime.world_size, self.version - first, run_dir)
+        line = summarise(self.runtime.comm, self.runtime.world_size, self.version - self.first_version, run_dir)
         if self.logger:
             self.logger.message(line)
             self.logger.close()
@@ -381,7 +386,6 @@ class Server:
 
     def _serve_async(self) -> None:
         steps = self.config.train.steps
-        self.finishing = self.version < steps  # else nothing to do: stop the workers without evaluating
         queue: collections.deque[int] = collections.deque()  # batches of dropped gradients, handed out first
         active, dropped, final_row = self.workers, 0, None
         while active:
@@ -416,7 +420,7 @@ class Server:
             self._answer(worker, order, start)
             if order in (STOP, EVALUATE_AND_STOP):
                 active -= 1
-        if self.finishing:
+        if self.first_version < steps:  # else there was nothing to do
             if self.lead:  # with what the workers said after the last update
                 final_row["comm_bytes"] += self.pending_traffic
                 self._write({**final_row, **self._await_report()})
@@ -440,7 +444,7 @@ class Server:
         elif self.version < steps:
             order = RUN
         else:
-            order = EVALUATE_AND_STOP if self.finishing else STOP
+            order = EVALUATE_AND_STOP if self.first_version < steps else STOP  # nothing done: no evaluation
         for server in range(1, self.servers):
             self.peer_link.send(server, header(status=order, peer=worker), tag=ORDER_TAG)
         return worker, head, order
@@ -456,7 +460,7 @@ class Server:
         logger = MetricsLogger(run_dir, self.config.log, self.version, t.steps)
         how = (
             f"asynchronous (max staleness {s.max_staleness}), {self.per_push} sequences per update"
-            + ("; validation at the end only" if t.eval_every else "")
+            + ("; validation and checkpoints at the end only" if t.eval_every or self.config.checkpoint.every else "")
             if s.ps_async
             else f"synchronous, global batch {self.update_batch} = {self.workers} x {self.per_push} sequences"
         )
