@@ -11,7 +11,9 @@ cumulative bytes, all modes on one chart).
 
 Slowed worker: rank `--replicas` (the last worker) sleeps `--delay` s per batch. The fast workers'
 rate is their applied updates x tokens per update over the run's wall time; "alone" is the same
-asynchronous parameter server without the slowed worker.
+asynchronous parameter server without the slowed worker. On a machine with fewer cores than ranks the
+slowed worker's own computing still takes CPU from the others: a delay several times a batch's
+compute time keeps that share small, so what remains is the synchronisation's effect.
 """
 
 from __future__ import annotations
@@ -115,14 +117,17 @@ def plot(results: list[dict], path: Path) -> None:
     for result in results:
         if "slowed" in result["name"] or "alone" in result["name"]:
             continue
-        sent, points = 0, []
+        # the mean loss over the last 8 steps' worth of samples (an asynchronous update is one worker's batch)
+        window = 8 * (result["ranks"] - 1 if "worker_tokens_per_s" in result else 1)
+        sent, losses, points = 0, [], []
         for comm_bytes, loss in result["curve"]:
-            sent += comm_bytes
-            points.append((sent, loss))
+            sent, losses = sent + comm_bytes, [*losses[-window + 1 :], loss]
+            if sent:  # a log axis has no 0: local SGD's first steps send nothing
+                points.append((sent, sum(losses) / len(losses)))
         ax.plot(*zip(*points, strict=True), label=result["name"], linewidth=1.2)
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent by all ranks (cumulative)")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("training loss (mean over 8 steps' samples)")
     ax.set_title("Loss against bytes communicated, same samples for every mode")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -137,7 +142,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--delay", type=float, default=1.0, help="seconds the slowed worker sleeps per batch")
+    parser.add_argument("--delay", type=float, default=3.0, help="seconds the slowed worker sleeps per batch")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_sync_modes"))
     parser.add_argument("--only", nargs="*", help="run only these modes; the others' results are kept from <out>")

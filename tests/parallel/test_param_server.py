@@ -102,6 +102,20 @@ def test_checkpoints_move_between_parameter_server_and_allreduce(tmp_path, allre
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_asynchronous_parameter_server_with_one_worker_equals_one_process(tmp_path):
+    """One worker is never stale: each update is a one-process step on the next batch (the worker
+    clips its gradient as that step would), so the runs agree to fp32 rounding."""
+    single = tiny_config(tmp_path / "single")
+    train(single)
+    config = _ps(tmp_path, "one_worker", ps_async=True)
+    run_ranks(_train, 2, tmp_path, config)
+    reference, ps = _rows(single), _rows(config)
+    assert [r["step"] for r in ps] == list(range(5)) and {r["staleness"] for r in ps} == {0}
+    for a, b in zip(reference, ps, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-6
+    assert abs(reference[-1]["val_loss"] - ps[-1]["val_loss"]) < 1e-6
+
+
 def test_asynchronous_parameter_server_learns_within_its_staleness_bound(tmp_path, allreduce):
     """3 workers, 10 updates of one worker's batch each; the loss must get below the synchronous run's
     loss after its first step (an async run sees fewer samples per update, so not its final loss)."""
