@@ -1,9 +1,10 @@
 import pytest
 
 from paralm.plan.cluster import PRESETS
-from paralm.plan.layout import Layout, Workload
+from paralm.plan.layout import Workload
 from paralm.plan.memory import backward_working_set, device_memory, layer_activation_bytes, model_states, rank_params
 from paralm.plan.shape import ModelShape
+from tests.plan.helpers import layout as _layout
 
 
 @pytest.mark.parametrize("zero,gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -50,24 +51,6 @@ def test_fused_attention_keeps_no_score_matrix() -> None:
 
 def _work(shape: ModelShape, batch: int = 8, dtype: str = "bf16") -> Workload:
     return Workload(shape, batch, dtype, "fp32", 2, False, "paper", 25 * 2**20)
-
-
-def _layout(**fields) -> Layout:
-    defaults = dict(
-        dp_replicate=1,
-        dp_shard=1,
-        zero=0,
-        tp=1,
-        sequence_parallel=False,
-        pp=1,
-        pp_schedule="1f1b",
-        pp_microbatches=1,
-        pp_virtual_stages=1,
-        micro_batch_size=1,
-        grad_accum=1,
-        activation_checkpointing="none",
-    )
-    return Layout(**(defaults | fields))
 
 
 SHAPE = ModelShape(n_layer=8, n_head=8, d_model=512, block_size=256, vocab_size=1024)

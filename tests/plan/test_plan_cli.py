@@ -6,16 +6,8 @@ from paralm.cli import main
 from paralm.config import load_config
 from paralm.plan.cluster import load_cluster
 from paralm.plan.shape import ModelShape
+from tests.plan.helpers import MODEL_7B
 
-MODEL_7B = [
-    "--model.n_layer=36",
-    "--model.d_model=4096",
-    "--model.n_head=32",
-    "--model.vocab_size=51200",
-    "--model.block_size=2048",
-    "--precision.dtype=bf16",
-    "--train.global_batch_size=64",
-]
 JSON_FIELDS = {
     "dp_replicate",
     "dp_shard",

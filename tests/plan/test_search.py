@@ -1,5 +1,3 @@
-import sys
-
 import pytest
 
 from paralm.config import load_config
@@ -8,21 +6,7 @@ from paralm.parallel.dims import ParallelDims
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
 from paralm.plan.search import evaluate, fixed_fields, search
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover
-    pass
-
-MODEL_7B = [
-    "--model.n_layer=36",
-    "--model.d_model=4096",
-    "--model.n_head=32",
-    "--model.vocab_size=51200",
-    "--model.block_size=2048",
-    "--precision.dtype=bf16",
-    "--train.global_batch_size=64",
-]
+from tests.plan.helpers import MODEL_7B
 
 
 def _search(overrides: list[str], cluster: str = "h200:64"):

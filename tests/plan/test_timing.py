@@ -3,9 +3,10 @@ import dataclasses
 import pytest
 
 from paralm.plan.cluster import PRESETS
-from paralm.plan.layout import Layout, Workload
+from paralm.plan.layout import Workload
 from paralm.plan.shape import ModelShape
 from paralm.plan.timing import powersgd_elements, step_time
+from tests.plan.helpers import layout
 
 SHAPE = ModelShape(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192)
 H100 = PRESETS["h100"].with_devices(64)
@@ -15,24 +16,6 @@ NO_LATENCY = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0)
 
 def _work(batch: int = 64, reduce_dtype: str = "fp32") -> Workload:
     return Workload(SHAPE, batch, "bf16", reduce_dtype, 2, False, "paper", 25 * 2**20)
-
-
-def _layout(**fields) -> Layout:
-    defaults = dict(
-        dp_replicate=1,
-        dp_shard=1,
-        zero=0,
-        tp=1,
-        sequence_parallel=False,
-        pp=1,
-        pp_schedule="1f1b",
-        pp_microbatches=1,
-        pp_virtual_stages=1,
-        micro_batch_size=64,
-        grad_accum=1,
-        activation_checkpointing="none",
-    )
-    return Layout(**(defaults | fields))
 
 
 def test_one_device_computes_model_flops_at_calibrated_speed() -> None:
@@ -112,3 +95,7 @@ def test_groups_that_span_nodes_use_the_network() -> None:
     share = ((SHAPE.params - replicated) / 8 + replicated) / SHAPE.params
     expected = intra.dp_comm_s * share * H100.intra_bandwidth / H100.inter_bandwidth
     assert inter.dp_comm_s == pytest.approx(expected, rel=0.01)
+
+
+def _layout(**fields):
+    return layout(**({"micro_batch_size": 64} | fields))
