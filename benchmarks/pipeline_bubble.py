@@ -29,15 +29,10 @@ from collections.abc import Callable
 
 from common import print_table
 
-SCHEDULES = [  # (name, model chunks per rank)
-    ("gpipe", 1),
-    ("1f1b", 1),
-    ("interleaved_1f1b", 2),
-    ("looped_bfs", 2),
-    ("interleaved_zero_bubble", 2),
-    ("zbv_zero_bubble", 2),
-    ("dualpipev", 2),
-]
+from paralm.config import PIPELINE_SCHEDULES
+from paralm.parallel.checks import fewest_stages_per_rank
+
+SCHEDULES = [(name, fewest_stages_per_rank(name)) for name in PIPELINE_SCHEDULES]  # (name, chunks per rank)
 MODEL = {"n_layer": 8, "n_head": 4, "d_model": 256, "block_size": 128, "vocab_size": 256, "dropout": 0.0}
 ROW = "ROW "
 SEQUENCES = 2  # per micro-batch

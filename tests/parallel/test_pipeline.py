@@ -9,6 +9,8 @@ and gradient norms (as for tensor parallelism, see test_tensor_parallel).
 
 import pytest
 
+from paralm.config import PIPELINE_SCHEDULES
+from paralm.parallel.checks import fewest_stages_per_rank
 from paralm.parallel.runtime import init_runtime
 from paralm.train.trainer import train
 from tests.helpers import tiny_config
@@ -21,16 +23,8 @@ from tests.parallel.model_parallel import (
     one_step,
 )
 
-# (schedule, model chunks per rank); V schedules need two
-PP2_SCHEDULES = [
-    ("gpipe", 1),
-    ("1f1b", 1),
-    ("interleaved_1f1b", 2),
-    ("looped_bfs", 2),
-    ("interleaved_zero_bubble", 2),
-    ("zbv_zero_bubble", 2),
-    ("dualpipev", 2),
-]
+# (schedule, model chunks per rank): every schedule paralm offers, with the fewest chunks it takes
+PP2_SCHEDULES = [(name, fewest_stages_per_rank(name)) for name in PIPELINE_SCHEDULES]
 
 
 def _reference(tmp_path, n_layer):

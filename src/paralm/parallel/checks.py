@@ -19,6 +19,11 @@ V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank, i
 LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")  # any number, round robin
 
 
+def fewest_stages_per_rank(schedule: str) -> int:
+    """The smallest `parallel.pp_virtual_stages` a schedule runs with."""
+    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
 def pipeline_microbatches(config: Config) -> int:
     """Micro-batches per pipeline step (`parallel.pp_microbatches`; 0 means one per stage rank)."""
     return config.parallel.pp_microbatches or config.parallel.pp
