@@ -82,7 +82,8 @@ def loss_context(tp: int) -> contextlib.AbstractContextManager:
 
 
 def local_value(tensor: Any) -> Any:
-    """A loss as a plain tensor: a DTensor loss is replicated over the TP group, so its local value is whole."""
+    """This rank's part of a DTensor as a plain tensor (all of it when replicated, as a TP loss is), or
+    the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -90,22 +91,3 @@ def dropout_rank(rank: int, tp: int) -> int:
     """The rank that seeds dropout: shared by the TP group (tp is the innermost mesh dim), so the ranks
     that hold the same replicated activations draw the same masks."""
     return rank // tp
-
-
-def validate_tensor_parallel(model_heads: int, vocab_size: int, block_size: int, tp: int, sp: bool) -> list[str]:
-    """Reasons the model cannot be split `tp` ways (empty when it can)."""
-    problems = []
-    if model_heads % tp:
-        problems.append(
-            f"model.n_head = {model_heads} is not divisible by parallel.tp = {tp}: each rank holds whole heads"
-        )
-    if vocab_size % tp:
-        problems.append(
-            f"model.vocab_size = {vocab_size} is not divisible by parallel.tp = {tp}: pad the vocabulary to a multiple"
-        )
-    if sp and block_size % tp:
-        problems.append(
-            f"model.block_size = {block_size} is not divisible by parallel.tp = {tp}, "
-            "which sequence parallelism splits the sequence into"
-        )
-    return problems
