@@ -20,7 +20,9 @@ LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 
 
 def fewest_stages_per_rank(schedule: str) -> int:
-    """The smallest `parallel.pp_virtual_stages` a schedule runs with."""
+    """The fewest model chunks per rank (`parallel.pp_virtual_stages`) that exercise a schedule: 1 for
+    the single-stage ones, 2 for the V ones (they need it) and the looped ones (which run with 1 too,
+    but then have nothing to interleave)."""
     return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
