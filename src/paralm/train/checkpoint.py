@@ -202,8 +202,11 @@ def check_compatible(path: Path, model: ModelConfig) -> None:
 
 
 def _first_line_of_failure(error: CheckpointException) -> str:
-    failures = [str(f).strip().splitlines()[-1] for f in error.failures.values()]
-    return failures[0] if failures else str(error).strip().splitlines()[-1]
+    """The first rank's exception, as `Type: message` (DCP pairs each with its stack summary)."""
+    for rank in sorted(error.failures):
+        exception = error.failures[rank][0]
+        return f"rank {rank}: {type(exception).__name__}: {str(exception).strip()[:300]}"
+    return str(error).strip()[:300]
 
 
 def load_checkpoint(
