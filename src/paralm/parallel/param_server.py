@@ -117,7 +117,7 @@ def run_parameter_server(config: Config, runtime: Runtime) -> None:
     """Every rank of a parameter-server job: servers serve, workers compute."""
     if config.sync.ps_async and runtime.device.type != "cpu":
         raise UserError("sync.ps_async = true receives from whichever worker is first, which needs gloo: use CPUs")
-    if runtime.local_rank == 0:  # one data preparer per node; servers (ranks 0..) build no Trainer that would
+    if runtime.local_rank == 0:  # a server here, which builds no Trainer: it prepares the data for the workers'
         dataset_dir(config.data)
     solo = dist.new_group([LEAD])  # the lead server writes checkpoints alone; every rank takes part in creating it
     dist.barrier()
