@@ -59,6 +59,7 @@ from paralm.train.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
+    trainer_state,
 )
 from paralm.train.metrics import MetricsLogger
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
@@ -292,13 +293,7 @@ class Server:
             for index, value in shard["params"].items():
                 self.params[index].copy_(value)
             self._set_state(shard["optim"])
-        state = {
-            "step": self.version,
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.samples_seen * self.config.model.block_size,
-            "world_size": self.runtime.world_size,
-            "rng": "reseeded each step from (train.seed, step, rank)",
-        }
+        state = trainer_state(self.version, self.samples_seen, self.config.model.block_size, self.runtime.world_size)
         alone = dataclasses.replace(self.runtime, group=self.solo)
         path = save_checkpoint(
             self.config.run.dir,

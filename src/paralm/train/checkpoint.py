@@ -86,6 +86,17 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def trainer_state(step: int, samples_seen: int, block_size: int, world_size: int) -> dict[str, Any]:
+    """What `trainer_state.json` records beside DCP's tensors: where the run is in steps and data."""
+    return {
+        "step": step,
+        "samples_seen": samples_seen,
+        "tokens_seen": samples_seen * block_size,
+        "world_size": world_size,
+        "rng": "reseeded each step from (train.seed, step, rank)",
+    }
+
+
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 

@@ -39,6 +39,7 @@ from paralm.train.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
+    trainer_state,
 )
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
 from paralm.train.metrics import MetricsLogger, peak_memory_bytes
@@ -253,13 +254,8 @@ class Trainer:
         return loss
 
     def save(self) -> None:
-        state = {
-            "step": self.step,
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.samples_seen * self.config.model.block_size,
-            "world_size": self.runtime.world_size,
-            "rng": "reseeded each step from (train.seed, step, rank)",
-            "loss_scaler": self.scaler.state_dict(),
+        state = trainer_state(self.step, self.samples_seen, self.config.model.block_size, self.runtime.world_size) | {
+            "loss_scaler": self.scaler.state_dict()
         }
         path = save_checkpoint(
             self.run_dir,
