@@ -54,10 +54,8 @@ from paralm.parallel.comm_stats import CommStats, summarise
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.straggler import straggle
 from paralm.train.checkpoint import (
-    check_compatible,
-    latest_checkpoint,
+    checkpoint_to_resume,
     load_checkpoint,
-    resolve_checkpoint,
     save_checkpoint,
     trainer_state,
 )
@@ -258,13 +256,9 @@ class Server:
         self.peers.take_step()  # not synchronisation traffic: in the summary, not in a row
 
     def _restore(self) -> None:
-        resume = self.config.checkpoint.resume
-        if resume == "none":
-            return
-        path = latest_checkpoint(self.config.run.dir) if resume == "auto" else resolve_checkpoint(resume)
+        path = checkpoint_to_resume(self.config)
         if path is None:
             return
-        check_compatible(path, self.config.model)
         state = load_checkpoint(path, self.model, self.optimizer, self.solo)
         self.version, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 

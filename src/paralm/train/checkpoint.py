@@ -187,6 +187,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def checkpoint_to_resume(config: Config) -> Path | None:
+    """The checkpoint `checkpoint.resume` names for this run (None: start fresh), checked against the model."""
+    resume = config.checkpoint.resume
+    if resume == "none":
+        return None
+    path = latest_checkpoint(config.run.dir) if resume == "auto" else resolve_checkpoint(resume)
+    if path is not None:
+        check_compatible(path, config.model)
+    return path
+
+
 def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
         state = json.loads((path / STATE_FILE).read_text())

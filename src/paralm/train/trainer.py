@@ -34,10 +34,8 @@ from paralm.parallel.straggler import straggle
 from paralm.parallel.tensor import dropout_rank, local_value, loss_context
 from paralm.parallel.zero1 import shard_optimizer_state
 from paralm.train.checkpoint import (
-    check_compatible,
-    latest_checkpoint,
+    checkpoint_to_resume,
     load_checkpoint,
-    resolve_checkpoint,
     save_checkpoint,
     trainer_state,
 )
@@ -122,13 +120,9 @@ class Trainer:
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 
     def _restore(self) -> None:
-        resume = self.config.checkpoint.resume
-        if resume == "none":
-            return
-        path = latest_checkpoint(self.run_dir) if resume == "auto" else resolve_checkpoint(resume)
+        path = checkpoint_to_resume(self.config)
         if path is None:
             return
-        check_compatible(path, self.config.model)
         state = load_checkpoint(path, self.train_module, self.optimizer, self.runtime.group)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
