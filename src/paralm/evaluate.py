@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,11 +12,10 @@ from torch import nn
 
 from paralm.data.sampler import sample_windows
 from paralm.data.shards import TokenDataset
-from paralm.model import cross_entropy_loss
-from paralm.parallel.pipeline import Pipeline
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.tensor import local_value, loss_context
-from paralm.train.precision import autocast
+from paralm.parallel.step import PlainStep
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]  # None where a rank computes no loss
 
 # Validation windows come from a stream of their own, so they never depend on training's progress.
 EVAL_SEED_OFFSET = 1_000_003
@@ -24,15 +24,16 @@ EVAL_SEED_OFFSET = 1_000_003
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,
+    batch_loss: BatchLoss,
     dataset: TokenDataset,
     runtime: Runtime | None,
     samples: int,
     micro_batch_size: int,
     seed: int,
     device: torch.device,
-    dtype: str,
 ) -> tuple[float, int]:
-    """Mean loss over `samples` fixed windows and the number of tokens scored.
+    """Mean loss over `samples` fixed windows and the number of tokens scored; `batch_loss` scores one
+    batch (`ParallelPlan.eval_loss` in training), `model` is switched to evaluation mode meanwhile.
 
     The windows are split over data-parallel ranks and their loss sums added up, so the result is
     the same for any number of ranks.
@@ -45,7 +46,7 @@ def validation_loss(
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     for start in range(0, len(windows), micro_batch_size):
         x, y = (t.to(device) for t in dataset.batch(windows[start : start + micro_batch_size]))
-        loss = _batch_loss(model, x, y, runtime, device, dtype)
+        loss = batch_loss(x, y)
         if loss is not None:  # None on pipeline ranks without the last stage: they add nothing
             total += torch.stack(
                 [loss.double() * y.numel(), torch.tensor(y.numel(), dtype=torch.float64, device=device)]
@@ -54,17 +55,6 @@ def validation_loss(
     if runtime is not None:
         runtime.all_reduce(total)
     return (total[0] / total[1]).item(), int(total[1].item())
-
-
-def _batch_loss(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, runtime: Runtime | None, device: torch.device, dtype: str
-) -> torch.Tensor | None:
-    """Mean loss of one batch: through the stages in order for a pipeline (None off its last stage),
-    on the vocabulary-sharded logits under tensor parallelism."""
-    if isinstance(model, Pipeline):
-        return model.eval_loss(x, y)
-    with autocast(device, dtype), loss_context(runtime.dims.tp if runtime is not None else 1):
-        return local_value(cross_entropy_loss(model(x), y))
 
 
 @dataclass
@@ -84,12 +74,12 @@ def evaluate_run(run_dir: str, checkpoint: str | None = None, overrides: list[st
     dataset = TokenDataset(loaded.data_dir, "val", config.model.block_size)
     loss, tokens = validation_loss(
         loaded.model,
+        PlainStep(loaded.model, loaded.device, config.precision.dtype).eval_loss,
         dataset,
         None,
         config.train.eval_samples,
         config.train.micro_batch_size,
         config.train.seed,
         loaded.device,
-        config.precision.dtype,
     )
     return EvalResult(loaded.checkpoint, loss, math.exp(loss), tokens)

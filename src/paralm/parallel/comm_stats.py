@@ -85,34 +85,27 @@ class CommStats:
         self.step_sent = self.step_received = 0
         return counts
 
-    def job_step_bytes(self, group: dist.ProcessGroup | None, distributed: bool) -> int:
-        """Bytes all ranks of `group` sent during this step: the step's network traffic. Collective."""
-        total = torch.tensor([self.take_step()[0]], dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(total, group=group)
-        return int(total.item())
-
-
-def summarise(stats: CommStats, world_size: int, steps: int, run_dir: Path | None) -> str | None:
-    """Gather every rank's totals (collective over all ranks); the rank given `run_dir` writes
-    `comm.json` there and gets a one-line summary. `steps`: the steps this process ran."""
-    mine = torch.tensor([stats.sent, stats.received], dtype=torch.float64)
-    table = [torch.zeros_like(mine) for _ in range(world_size)]
-    if world_size > 1:
-        dist.all_gather(table, mine)
-    else:
-        table = [mine]
-    if run_dir is None:
-        return None
-    per_rank = [{"rank": r, "sent": int(row[0]), "received": int(row[1])} for r, row in enumerate(table)]
-    total = sum(r["sent"] for r in per_rank)
-    summary = {"total_bytes": total, "steps": steps, "bytes_per_step": total / max(steps, 1), "ranks": per_rank}
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    busiest = max(per_rank, key=lambda r: r["sent"] + r["received"])
-    return (
-        f"communication: {_human(total)} sent by all ranks over {steps} steps ({_human(total / max(steps, 1))}/step); "
-        f"busiest rank {busiest['rank']}: {_human(busiest['sent'])} sent, {_human(busiest['received'])} received"
-    )
+    def summarise(self, world_size: int, steps: int, run_dir: Path | None) -> str | None:
+        """Gather every rank's totals (collective over all ranks); the rank given `run_dir` writes
+        `comm.json` there and gets a one-line summary. `steps`: the steps this process ran."""
+        mine = torch.tensor([self.sent, self.received], dtype=torch.float64)
+        table = [torch.zeros_like(mine) for _ in range(world_size)]
+        if world_size > 1:
+            dist.all_gather(table, mine)
+        else:
+            table = [mine]
+        if run_dir is None:
+            return None
+        per_rank = [{"rank": r, "sent": int(row[0]), "received": int(row[1])} for r, row in enumerate(table)]
+        total = sum(r["sent"] for r in per_rank)
+        summary = {"total_bytes": total, "steps": steps, "bytes_per_step": total / max(steps, 1), "ranks": per_rank}
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        busiest = max(per_rank, key=lambda r: r["sent"] + r["received"])
+        return (
+            f"communication: {_human(total)} sent by all ranks over {steps} steps "
+            f"({_human(total / max(steps, 1))}/step); "
+            f"busiest rank {busiest['rank']}: {_human(busiest['sent'])} sent, {_human(busiest['received'])} received"
+        )
 
 
 def _human(n: float) -> str:

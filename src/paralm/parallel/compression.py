@@ -1,7 +1,7 @@
 """Gradient compression for DDP's all-reduce, as DDP communication hooks that count their bytes.
 
-- none: a plain averaging all-reduce (PyTorch's `allreduce_hook`, through the byte counter): the
-  same arithmetic as DDP without a hook.
+- none: no hook; DDP's own reducer all-reduces every bucket on each synced backward, and its bytes
+  are counted from the bucket sizes (all trainable parameters) by a forward hook.
 - fp16: PyTorch's `fp16_compress_wrapper` around it: buckets travel as fp16.
 - bf16: the same cast to bf16. PyTorch's bf16 hook and wrapper are refused by DDP unless on NCCL,
   while gloo all-reduces bf16 fine, so the wrapper is our own.
@@ -39,7 +39,10 @@ class HookState:
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
 ) -> DistributedDataParallel:
-    """Install the configured hook; every byte DDP all-reduces then goes through `stats`."""
+    """Install the configured hook; every byte DDP all-reduces is then counted in `stats`."""
+    if comm.compression == "none":
+        count_native_allreduce(ddp, group, stats)
+        return ddp
     state = HookState(group, stats, comm.topk_ratio)
     if comm.compression == "powersgd":
         state = CountedPowerSGD(
@@ -51,7 +54,6 @@ def register_compression(
             stats,
         )
     hooks: dict[str, Callable] = {
-        "none": allreduce_hook,
         "fp16": default_hooks.fp16_compress_wrapper(allreduce_hook),
         "bf16": bf16_compress_wrapper(allreduce_hook),
         "powersgd": powersgd_hook,
@@ -59,6 +61,20 @@ def register_compression(
     }
     ddp.register_comm_hook(state, hooks[comm.compression])
     return ddp
+
+
+def count_native_allreduce(ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats) -> None:
+    """Count what DDP's reducer sends without replacing it: every bucket once per backward that syncs,
+    i.e. after each training forward outside `no_sync` (DDP's `require_backward_grad_sync`)."""
+    bucket_bytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+    size = dist.get_world_size(group)
+    ring = 2 * (size - 1) / size * bucket_bytes
+
+    def count(module: DistributedDataParallel, args: object, output: object) -> None:
+        if torch.is_grad_enabled() and module.require_backward_grad_sync:
+            stats.count(ring, ring)
+
+    ddp.register_forward_hook(count)
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> Future:

@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from paralm.config import SyncConfig
+from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.runtime import Runtime
+from paralm.parallel.sync import SyncStrategy
 
 
-class ModelAverager:
+class ModelAverager(SyncStrategy):
+    """Parameters averaged (local SGD) or an outer step taken on their mean change (DiLoCo) every H steps.
+
+    Its `state_dict` is still empty: the replicas' own optimizer state is in the optimizer's, saved
+    from one rank (replicas agree right after an averaging), and the DiLoCo outer momentum is not
+    yet checkpointed (a resumed DiLoCo run restarts it from zero).
+    """
+
     def __init__(self, model: nn.Module, runtime: Runtime, sync: SyncConfig) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.runtime, self.every = runtime, sync.local_steps
@@ -36,16 +44,16 @@ class ModelAverager:
 
     @torch.no_grad()
     def after_step(self, steps_done: int, last: bool) -> None:
-        """Call after every optimizer step; averages (or takes the outer step) every H steps and at the end."""
+        """Averages (or takes the outer step) every H steps and at the end."""
         if steps_done % self.every and not last:
             return
         params = [p.detach() for p in self.params]
         local = params if self.outer is None else [a - p for a, p in zip(self.anchor, params, strict=True)]
-        flat = _flatten_dense_tensors(local)
+        flat = flatten(local)
         if self.runtime.dims.dp > 1:
             self.runtime.comm.all_reduce(flat, self.runtime.dp_group)
             flat.div_(self.runtime.dims.dp)
-        mean = _unflatten_dense_tensors(flat, local)
+        mean = unflatten(flat, local)
         if self.outer is not None:
             for anchor, outer_grad in zip(self.anchor, mean, strict=True):
                 anchor.grad = outer_grad
@@ -53,8 +61,3 @@ class ModelAverager:
             mean = self.anchor
         for p, value in zip(params, mean, strict=True):
             p.copy_(value)
-
-
-def model_averager(model: nn.Module, runtime: Runtime, sync: SyncConfig) -> ModelAverager | None:
-    """The averager for local SGD and DiLoCo; None when gradients are synchronised every step."""
-    return ModelAverager(model, runtime, sync) if sync.mode in ("local_sgd", "diloco") else None

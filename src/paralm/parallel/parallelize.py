@@ -1,35 +1,106 @@
-"""Apply the configured parallel strategies to a plain GPT, from outside, in a fixed order.
+"""The one place the configured parallel strategies are composed; the loop asks the plan for the rest.
 
 Order (as torchtitan): pipeline split, then tensor/sequence parallel, then activation
 checkpointing, then data parallelism (FSDP or DDP) on what each rank holds. Each strategy lives in
-its own module; this function only composes them.
+its own module; this module only composes them, and picks how a step runs (plain or pipelined) and
+how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from paralm.config import Config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.fsdp import apply_fsdp, uses_fsdp
+from paralm.parallel.grad_norm import clip_grad_norm_
+from paralm.parallel.local_sgd import ModelAverager
 from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
 from paralm.parallel.replicate import apply_replicate
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.tensor import apply_tensor_parallel
+from paralm.parallel.step import Batches, LossScale, PlainStep, StepRunner
+from paralm.parallel.straggler import straggle
+from paralm.parallel.sync import SyncStrategy
+from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank
+from paralm.parallel.zero1 import ZeroOne
 
 
-def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
-    """The module the training step calls; parameters stay those of `model` (possibly sharded).
+@dataclass
+class ParallelPlan:
+    """Everything the training loop needs from the parallel strategies, composed once."""
 
-    With pp > 1, `model` is pruned to this rank's stages and a `Pipeline` (which runs them) is returned.
+    model: nn.Module  # the plain GPT whose parameters train (pruned to this rank's stages, possibly sharded)
+    module: nn.Module  # what a step runs: the model wrapped by DDP, FSDP, or a pipeline of its stages
+    runner: StepRunner
+    sync: SyncStrategy
+    runtime: Runtime
+    config: Config
+    zero_stage: int  # the ZeRO stage in effect (0 with a single data-parallel shard)
+    scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
+
+    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
+        """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
+        return self.runner.forward_backward(batches, scale)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
+        return self.runner.eval_loss(x, y)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.sync.prepare(optimizer)
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Stateful:
+        """Model, optimizer and strategy state, as checkpoints save and load it."""
+        return self.sync.checkpoint_state(self.module, optimizer)
+
+    def before_step(self, seed: int, step: int) -> None:
+        """The straggler sleeps (if one is configured); dropout is reseeded from (seed, step, rank)
+        with tensor-parallel ranks of one replica drawing the same masks."""
+        straggle(self.config.sync, self.runtime.rank)
+        rank = dropout_rank(self.runtime.rank, self.runtime.dims.tp)
+        torch.manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.model, max_norm, self.runtime)
+
+
+def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelPlan:
+    """Parallelize `model` in place (its parameters are the ones that train) and compose the step.
+
+    With pp > 1, `model` is pruned to this rank's stages, run by a `Pipeline`.
     """
     if runtime.dims.pp > 1:
         _materialize(model, runtime, config)  # stages are cut from the initialised model and copy its tied weight
-        return build_pipeline(model, runtime, config, lambda stage: parallelize_stage(stage, runtime, config))
-    return parallelize_stage(model, runtime, config)
+        module = runner = build_pipeline(model, runtime, config, lambda part: parallelize_stage(part, runtime, config))
+    else:
+        module = parallelize_stage(model, runtime, config)
+        runner = PlainStep(module, runtime.device, config.precision.dtype, runtime.dims.tp)
+    return ParallelPlan(
+        model=model,
+        module=module,
+        runner=runner,
+        sync=_sync_strategy(model, runtime, config),
+        runtime=runtime,
+        config=config,
+        zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 else 0,
+        scaler_group=runtime.dp_group if uses_fsdp(config.parallel.zero, runtime.dims) else None,
+    )
+
+
+def _sync_strategy(model: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
+    if config.sync.mode in ("local_sgd", "diloco"):
+        return ModelAverager(model, runtime, config.sync)
+    if config.parallel.zero == 1 and runtime.dims.dp > 1:
+        return ZeroOne(runtime.mesh["dp_shard"].get_group())
+    return SyncStrategy()
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:

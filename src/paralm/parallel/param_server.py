@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from paralm.config import Config
 from paralm.data.prepare import dataset_dir
@@ -50,9 +49,10 @@ from paralm.data.sampler import BatchLayout
 from paralm.errors import UserError
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT
-from paralm.parallel.comm_stats import CommStats, summarise
+from paralm.parallel.comm_stats import CommStats
+from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.straggler import straggle
+from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.train.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
@@ -61,7 +61,7 @@ from paralm.train.checkpoint import (
 )
 from paralm.train.metrics import MetricsLogger
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
-from paralm.train.trainer import RESOLVED_CONFIG, Trainer, step_seed
+from paralm.train.trainer import RESOLVED_CONFIG, Trainer
 
 FIELDS = ("kind", "status", "version", "start", "loss", "grad_norm", "traffic", "compute_s", "val_loss", "peer")
 PULL, PUSH, REPORT = 0, 1, 2  # what a worker's message is
@@ -142,12 +142,12 @@ class Worker:
 
     def work(self) -> None:
         self._work()
-        summarise(self.runtime.comm, self.runtime.world_size, 0, None)  # collective: the lead server writes it
+        self.runtime.comm.summarise(self.runtime.world_size, 0, None)  # collective: the lead server writes it
 
     def _work(self) -> None:
         if self.first:  # the servers start from this worker's parameters (initialised, or restored by the Trainer)
             for server, shard in enumerate(self.shards):
-                self.link.send(server, header(), _flatten_dense_tensors([p.detach() for p in shard]), STATE_TAG)
+                self.link.send(server, header(), flatten([p.detach() for p in shard]), STATE_TAG)
         reply = self.pull()
         while True:
             if reply["status"] in (EVALUATE_AND_RUN, EVALUATE_AND_STOP):
@@ -159,9 +159,8 @@ class Worker:
 
     def compute(self, version: int, start: int) -> tuple[float, float, float]:
         """Gradients of this worker's batch at `start`: (loss, grad norm (async only), seconds)."""
-        straggle(self.config.sync, self.runtime.rank)
         started = time.perf_counter()
-        torch.manual_seed(step_seed(self.config.train.seed, version, self.runtime.rank))
+        self.trainer.plan.before_step(self.config.train.seed, version)
         batches = self.trainer.micro_batches(self.layout.micro_batch_starts(start, self.dp_rank))
         loss = self.trainer.forward_backward(batches).item()
         grad_norm = 0.0
@@ -184,7 +183,7 @@ class Worker:
                 compute_s=seconds,
                 traffic=self._traffic() if server == LEAD else 0,
             )
-            self.link.send(server, message, _flatten_dense_tensors([p.grad for p in shard]))
+            self.link.send(server, message, flatten([p.grad for p in shard]))
         self.trainer.model.zero_grad(set_to_none=True)
 
     @torch.no_grad()
@@ -196,7 +195,7 @@ class Worker:
         for server, shard in enumerate(self.shards):
             answers.append(self.link.recv(server)[1])
             flat = self.link.recv_payload(server, shard)
-            for p, value in zip(shard, _unflatten_dense_tensors(flat, shard), strict=True):
+            for p, value in zip(shard, unflatten(flat, shard), strict=True):
                 p.copy_(value)
         return answers[LEAD]
 
@@ -242,7 +241,7 @@ class Server:
         first_worker = self.servers
         self.link.recv(first_worker, STATE_TAG)
         flat = self.link.recv_payload(first_worker, self.owned)
-        for p, value in zip(self.owned, _unflatten_dense_tensors(flat, self.owned), strict=True):
+        for p, value in zip(self.owned, unflatten(flat, self.owned), strict=True):
             p.copy_(value)
         if self.lead:
             self._restore()
@@ -259,7 +258,7 @@ class Server:
         path = checkpoint_to_resume(self.config)
         if path is None:
             return
-        state = load_checkpoint(path, self.model, self.optimizer, self.solo)
+        state = load_checkpoint(path, TrainingState(self.model, self.optimizer, SyncStrategy()), self.solo)
         self.version, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 
     def _run_state(self, server: int) -> dict[int, dict[str, Any]]:
@@ -292,8 +291,7 @@ class Server:
         path = save_checkpoint(
             self.config.run.dir,
             self.version,
-            self.model,
-            self.optimizer,
+            TrainingState(self.model, self.optimizer, SyncStrategy()),
             state,
             self.config,
             alone,
@@ -310,7 +308,7 @@ class Server:
         self.runtime.comm.sent += self.peers.sent
         self.runtime.comm.received += self.peers.received
         run_dir = Path(self.config.run.dir) if self.logger else None
-        line = summarise(self.runtime.comm, self.runtime.world_size, self.version - self.first_version, run_dir)
+        line = self.runtime.comm.summarise(self.runtime.world_size, self.version - self.first_version, run_dir)
         if self.logger:
             self.logger.message(line)
             self.logger.close()
@@ -352,11 +350,11 @@ class Server:
 
     def _answer(self, worker: int, status: int, start: int) -> None:
         message = header(status=status, version=self.version, start=start)
-        self.link.send(worker, message, _flatten_dense_tensors([p.detach() for p in self.owned]))
+        self.link.send(worker, message, flatten([p.detach() for p in self.owned]))
 
     def _step(self, grads: torch.Tensor, clip: float) -> float:
         """One optimizer step of the owned run; with `clip`, by the norm over every server's run."""
-        for p, grad in zip(self.owned, _unflatten_dense_tensors(grads, self.owned), strict=True):
+        for p, grad in zip(self.owned, unflatten(grads, self.owned), strict=True):
             p.grad = grad
         norm = 0.0
         if clip:

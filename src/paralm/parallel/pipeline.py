@@ -46,6 +46,7 @@ from paralm.model import GPT, cross_entropy_loss
 from paralm.parallel.checks import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, num_stages, pipeline_microbatches
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
+from paralm.parallel.step import Batches, LossScale
 from paralm.parallel.tensor import local_value, loss_context
 from paralm.train.precision import autocast
 
@@ -122,9 +123,10 @@ class Pipeline(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a pipeline runs through forward_backward or eval_loss, not a single forward")
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Accumulate gradients over the batches through the schedule; returns the mean loss on the
-        last stage's ranks, 0 on the others."""
+        last stage's ranks, 0 on the others. `scale` is not applied: the schedule calls backward
+        itself, which is why fp16 (loss scaling) is refused with pipelines."""
         self._loss_divisor = self.microbatches * len(batches)
         total = torch.zeros((), device=batches[0][0].device)
         for x, y in batches:

@@ -59,6 +59,18 @@ class Runtime:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+        """`sums` added up and `maxima` maximised over the ranks that step together, in one collective
+        (an all-gather of one small vector on this rank's device)."""
+        values = torch.tensor([*sums.values(), *maxima.values()], dtype=torch.float64, device=self.device)
+        table = values[None]
+        if self.distributed:
+            gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(gathered, values, group=self.group)
+            table = torch.stack(gathered)
+        reduced = torch.cat([table[:, : len(sums)].sum(0), table[:, len(sums) :].amax(0)]).tolist()
+        return dict(zip([*sums, *maxima], reduced, strict=True))
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)

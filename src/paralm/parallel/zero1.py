@@ -16,66 +16,57 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from paralm.config import ParallelConfig
-from paralm.parallel.runtime import Runtime
+from paralm.parallel.sync import SyncStrategy, TrainingState
 
 
-def shard_optimizer_state(
-    optimizer: torch.optim.Optimizer, runtime: Runtime, parallel: ParallelConfig
-) -> torch.optim.Optimizer:
-    """`optimizer` itself, or under ZeRO-1 the same optimizer (class, groups, hyperparameters) sharded."""
-    if parallel.zero != 1 or runtime.dims.dp == 1:
-        return optimizer
-    return ZeroRedundancyOptimizer(
-        optimizer.param_groups,  # each group carries all its hyperparameters
-        optimizer_class=type(optimizer),
-        process_group=runtime.mesh["dp_shard"].get_group(),
-        lr=optimizer.defaults["lr"],
-    )
+class ZeroOne(SyncStrategy):
+    """All-reduce data parallelism with the optimizer state sharded over `group`."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The same optimizer (class, groups, hyperparameters), sharded."""
+        return ZeroRedundancyOptimizer(
+            optimizer.param_groups,  # each group carries all its hyperparameters
+            optimizer_class=type(optimizer),
+            process_group=self.group,
+            lr=optimizer.defaults["lr"],
+        )
+
+    def stepped_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer.optim
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
+        return ZeroOneState(model, optimizer, self)
 
 
-# Optimizer state flattened to one key per parameter, hyperparameters included: pipeline stages hold
-# different parameters, and nested param groups (lists of names) would be saved from one rank only.
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+class ZeroOneState(TrainingState):
+    """The optimizer state of the parameters this rank owns, keyed as `get_state_dict` keys a plain one's."""
 
+    def model_and_optimizer(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        model_state = get_model_state_dict(self.model)
+        name_of: dict[int, str] = {}
+        for name, tensor in model_state.items():  # state-dict tensors share storage with the parameters
+            name_of.setdefault(tensor.data_ptr(), name)  # a tied weight takes its first name, as in get_state_dict
 
-def get_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Model and optimizer state dicts for DCP, by parameter name; for loading, they are the targets
-    DCP fills in place."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return get_state_dict(model, optimizer, options=FLAT)
-    model_state = get_model_state_dict(model)
-    name_of: dict[int, str] = {}
-    for name, tensor in model_state.items():  # state-dict tensors share storage with the parameters
-        name_of.setdefault(tensor.data_ptr(), name)  # a tied weight takes its first name, as in get_state_dict
+        local = self.optimizer.optim
+        _initialise_state(local)
+        flat = {f"state.{name_of[p.data_ptr()]}.{k}": v for p, state in local.state.items() for k, v in state.items()}
+        for group in self.optimizer.param_groups:  # the global groups: every parameter, on every rank
+            for p in group["params"]:
+                flat.update({f"param_groups.{name_of[p.data_ptr()]}.{k}": v for k, v in group.items() if k != "params"})
+        return model_state, flat
 
-    local = optimizer.optim
-    _initialise_state(local)
-    flat = {f"state.{name_of[p.data_ptr()]}.{k}": v for p, state in local.state.items() for k, v in state.items()}
-    for group in optimizer.param_groups:  # the global groups: every parameter, on every rank
-        for p in group["params"]:
-            flat.update({f"param_groups.{name_of[p.data_ptr()]}.{k}": v for k, v in group.items() if k != "params"})
-    return model_state, flat
-
-
-def set_state_dicts(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any], optim_state: dict[str, Any]
-) -> None:
-    """Apply what DCP loaded into the targets of `get_state_dicts`."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT)
-        return
-    # The optimizer's own state tensors were the load targets; the hyperparameters come from the config.
-    set_state_dict(model, optimizers=(), model_state_dict=model_state, optim_state_dict={})
+    def set_model_and_optimizer(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+        # The optimizer's own state tensors were the load targets; the hyperparameters come from the config.
+        set_state_dict(self.model, optimizers=(), model_state_dict=model_state, optim_state_dict={})
 
 
 @torch.no_grad()

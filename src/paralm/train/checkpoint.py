@@ -7,9 +7,9 @@ renames the folder, so a crash mid-write never leaves a folder that looks comple
 
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, which speak in terms of the
 unsharded parameter names: a checkpoint written by one layout (DDP, FSDP, 4 ranks) loads into
-another (1 process). ZeRO-1's sharded optimizer, which `get_state_dict` does not take, is written in
-the same form (`paralm.parallel.zero1`). Loading unpickles nothing but DCP's own metadata classes,
-and tensors with `weights_only=True`.
+another (1 process). What is saved comes from a `Stateful` the parallel plan composes (model,
+optimizer, the sync strategy's own state), so this module never needs to know the strategy. Loading
+unpickles nothing but DCP's own metadata classes, and tensors with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from paralm.config import Config, ModelConfig, read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.zero1 import get_state_dicts, set_state_dicts
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.toml"
@@ -86,6 +86,19 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+class ModelState(Stateful):
+    """A model alone (no optimizer): for evaluation, generation and export."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": get_model_state_dict(self.model)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state["model"])
+
+
 def trainer_state(step: int, samples_seen: int, block_size: int, world_size: int) -> dict[str, Any]:
     """What `trainer_state.json` records beside DCP's tensors: where the run is in steps and data."""
     return {
@@ -118,23 +131,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: Stateful,
     trainer_state: dict[str, Any],
     config: Config,
     runtime: Runtime,
     keep: int = 0,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+    """Collective: every rank calls it, with the model/optimizer `state` to write. Returns the final folder."""
     final = checkpoint_dir(run_dir) / f"{_PREFIX}{step:06d}"
     partial = final.with_name(final.name + _PARTIAL)
     if runtime.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     runtime.barrier()
-    model_state, optim_state = get_state_dicts(model, optimizer)
     dcp.save(
-        {"model": model_state, "optim": optim_state},
+        state.state_dict(),
         storage_writer=dcp.FileSystemWriter(str(partial)),
         process_group=runtime.group,
     )
@@ -232,22 +243,14 @@ def _first_line_of_failure(error: CheckpointException) -> str:
 
 
 def load_checkpoint(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    process_group: dist.ProcessGroup | None = None,
+    path: Path, state: Stateful | nn.Module, process_group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
-    """Load model (and optimizer) state in place, whatever layout wrote it; returns the trainer state.
-
-    Collective over `process_group` (all ranks when None).
-    """
-    state = read_trainer_state(path)
-    if optimizer is None:
-        model_state = get_state_dict(model, optimizers=())[0]
-        target = {"model": model_state}
-    else:
-        model_state, optim_state = get_state_dicts(model, optimizer)
-        target = {"model": model_state, "optim": optim_state}
+    """Load `state` (a model alone, or what the parallel plan composes) in place, whatever layout wrote
+    it; returns the trainer state. Collective over `process_group` (all ranks when None)."""
+    if isinstance(state, nn.Module):
+        state = ModelState(state)
+    progress = read_trainer_state(path)
+    target = state.state_dict()  # DCP loads into these tensors
     reader = SafeFileSystemReader(path)
     try:
         reader.read_metadata()  # fail here with one line, before DCP logs a traceback per rank
@@ -259,8 +262,5 @@ def load_checkpoint(
         dcp.load(target, storage_reader=reader, process_group=process_group)
     except CheckpointException as e:  # storage and shape errors, gathered from every rank
         raise UserError(f"checkpoint {path} cannot be loaded: {_first_line_of_failure(e)}") from None
-    if optimizer is None:
-        set_state_dict(model, optimizers=(), model_state_dict=target["model"], optim_state_dict={})
-    else:
-        set_state_dicts(model, optimizer, target["model"], target["optim"])
-    return state
+    state.load_state_dict(target)
+    return progress

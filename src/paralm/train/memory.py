@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
@@ -78,9 +77,9 @@ class ZeroPrediction:
         return " + ".join(terms) or "0"
 
 
-def predict(config: Config, model: nn.Module, shards: int) -> ZeroPrediction:
+def predict(config: Config, model: nn.Module, stage: int, shards: int) -> ZeroPrediction:
+    """The prediction for the ZeRO `stage` in effect over `shards` data-parallel shards."""
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
-    stage = config.parallel.zero if shards > 1 else 0
     return ZeroPrediction(stage, shards, num_params, StateBytes.of(config.precision.dtype, config.train.optimizer))
 
 
@@ -99,15 +98,14 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
 class ModelStateMeter:
-    """Measures parameter, gradient and optimizer-state bytes of one training step on this rank."""
+    """Measures parameter, gradient and optimizer-state bytes of one training step on this rank.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    `stepped` is the optimizer whose state this rank holds: `optimizer` itself, or the local one a
+    sharding wrapper steps (ZeRO-1's partition)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, stepped: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer, self.stepped = model, optimizer, stepped
         self._param_bytes = self._grad_bytes = 0
         model.register_forward_hook(self._after_forward)
 
@@ -124,7 +122,7 @@ class ModelStateMeter:
 
     def after_step(self) -> dict[str, int]:
         """The step's metrics (`param_bytes`, `grad_bytes`, `optim_bytes`), then reset for the next."""
-        state = _local_optimizer(self.optimizer).state.values()
+        state = self.stepped.state.values()
         optim = local_bytes(v for per_param in state for v in per_param.values() if isinstance(v, torch.Tensor))
         row = {"param_bytes": self._param_bytes, "grad_bytes": self._grad_bytes, "optim_bytes": optim}
         self._param_bytes = self._grad_bytes = 0

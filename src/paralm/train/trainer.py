@@ -21,18 +21,9 @@ from paralm.data.shards import TokenDataset
 from paralm.errors import UserError
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
-from paralm.model import GPT, cross_entropy_loss
-from paralm.parallel.comm_stats import summarise
-from paralm.parallel.ddp import gradient_sync
-from paralm.parallel.fsdp import uses_fsdp
-from paralm.parallel.grad_norm import clip_grad_norm_
-from paralm.parallel.local_sgd import model_averager
+from paralm.model import GPT
 from paralm.parallel.parallelize import parallelize
-from paralm.parallel.pipeline import Pipeline
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
-from paralm.parallel.straggler import straggle
-from paralm.parallel.tensor import dropout_rank, local_value, loss_context
-from paralm.parallel.zero1 import shard_optimizer_state
 from paralm.train.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
@@ -42,7 +33,7 @@ from paralm.train.checkpoint import (
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
 from paralm.train.metrics import MetricsLogger, peak_memory_bytes
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
-from paralm.train.precision import LossScaler, autocast
+from paralm.train.precision import LossScaler
 
 RESOLVED_CONFIG = "config.toml"
 
@@ -72,12 +63,6 @@ def resolve_grad_accum(config: Config, dp: int) -> int:
     return t.global_batch_size // per_micro_step
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Dropout's RNG is reseeded every step from (seed, step, rank): a resumed run draws the same masks
-    as an uninterrupted one without carrying generator state (tuple hashes of ints are stable)."""
-    return hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF
-
-
 class Trainer:
     def __init__(self, config: Config, runtime: Runtime) -> None:
         self.config, self.runtime, self.device = config, runtime, runtime.device
@@ -100,13 +85,12 @@ class Trainer:
         with torch.device("meta"):  # no memory yet: parallelize gives each rank its shards of the seeded init
             self.model = GPT(config.model)
         self.flops_per_token, self.num_params = self.model.flops_per_token(), self.model.num_params()
-        self.train_module = parallelize(self.model, runtime, config)
-        self.optimizer = shard_optimizer_state(build_optimizer(self.model, t), runtime, config.parallel)
-        self.averager = model_averager(self.model, runtime, config.sync)  # local SGD / DiLoCo, else None
-        sharded_grads = uses_fsdp(config.parallel.zero, runtime.dims)
-        self.scaler = LossScaler(config.precision.dtype, self.device, runtime.dp_group if sharded_grads else None)
-        self.memory = ModelStateMeter(self.model, self.optimizer)
-        self.memory_prediction = predict(config, self.model, runtime.dims.dp_shard)
+        self.plan = parallelize(self.model, runtime, config)
+        self.train_module = self.plan.module
+        self.optimizer = self.plan.prepare_optimizer(build_optimizer(self.model, t))
+        self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
+        self.memory = ModelStateMeter(self.model, self.optimizer, self.plan.sync.stepped_optimizer(self.optimizer))
+        self.memory_prediction = predict(config, self.model, self.plan.zero_stage, runtime.dims.dp_shard)
 
         self.step, self.samples_seen = 0, 0
         self._restore()
@@ -123,7 +107,7 @@ class Trainer:
         path = checkpoint_to_resume(self.config)
         if path is None:
             return
-        state = load_checkpoint(path, self.train_module, self.optimizer, self.runtime.group)
+        state = load_checkpoint(path, self.plan.checkpoint_state(self.optimizer), self.runtime.group)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
 
@@ -156,7 +140,7 @@ class Trainer:
             if last or (ckpt.every and self.step % ckpt.every == 0):
                 self.save()
         run_dir = self.run_dir if self.logger else None
-        comm = summarise(self.runtime.comm, self.runtime.world_size, self.step - first, run_dir)
+        comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir)
         if self.logger:
             self.logger.message(comm)
             self.logger.close()
@@ -173,36 +157,23 @@ class Trainer:
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches, syncing only on the last; returns this rank's
-        mean loss over them (a pipeline runs its schedule instead, and only its last stage has the loss)."""
-        if isinstance(self.train_module, Pipeline):
-            return self.train_module.forward_backward(batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(batches):
-            with gradient_sync(self.train_module, sync=i == len(batches) - 1), loss_context(self.runtime.dims.tp):
-                with autocast(self.device, self.config.precision.dtype):
-                    loss = cross_entropy_loss(self.train_module(x), y) / len(batches)
-                self.scaler.scale(loss).backward()
-            loss_sum += local_value(loss.detach())
-        return loss_sum
+        mean loss over them (0 on pipeline ranks without the last stage)."""
+        return self.plan.forward_backward(batches, self.scaler.scale)
 
     def train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
-        straggle(self.config.sync, self.runtime.rank)
-        torch.manual_seed(
-            step_seed(self.config.train.seed, self.step, dropout_rank(self.runtime.rank, self.runtime.dims.tp))
-        )
+        self.plan.before_step(self.config.train.seed, self.step)
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
 
         loss_sum = self.forward_backward(self.micro_batches())
         self.scaler.unscale_(self.optimizer)
         self.memory.after_backward()
-        clip = self.config.train.grad_clip or float("inf")
-        grad_norm = clip_grad_norm_(self.model, clip, self.runtime)
+        self.plan.sync.after_backward()
+        grad_norm = self.plan.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
         scaling = self.scaler.step(self.optimizer)  # fp16: loss_scale, and overflow when the step was skipped
         self.optimizer.zero_grad(set_to_none=True)
-        if self.averager:
-            self.averager.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
+        self.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += self.layout.global_batch
         if self.logger and scaling.get("overflow"):
             self.logger.message(
@@ -210,18 +181,20 @@ class Trainer:
                 f"{scaling['loss_scale']:g}"
             )
 
-        # every tp rank of the last pipeline stage holds its dp shard's loss; other stages add 0
-        loss = self.runtime.all_reduce(loss_sum) / (self.layout.dp_size * self.runtime.dims.tp)
-        memory = {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)}
-        largest = self.runtime.all_reduce(  # the rank that holds the most
-            torch.tensor(list(memory.values()), dtype=torch.float64, device=self.device), torch.distributed.ReduceOp.MAX
+        # one collective: loss and bytes sent added up, memory from the rank that holds the most
+        reduced = self.runtime.reduce_metrics(
+            {"loss": loss_sum.item(), "comm_bytes": self.runtime.comm.take_step()[0]},
+            {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)},
         )
-        memory = {key: int(value) for key, value in zip(memory, largest.tolist(), strict=True)}
+        # every tp rank of the last pipeline stage holds its dp shard's loss; other stages add 0
+        loss = reduced.pop("loss") / (self.layout.dp_size * self.runtime.dims.tp)
+        comm_bytes = int(reduced.pop("comm_bytes"))
+        memory = {key: int(value) for key, value in reduced.items()}
         step_time = time.perf_counter() - started
         tokens_per_s = self.layout.global_batch * self.config.model.block_size / step_time
         return {
             "step": self.step,
-            "loss": loss.item(),
+            "loss": loss,
             "lr": lr,
             "grad_norm": None if scaling.get("overflow") else grad_norm.item(),
             "tokens_per_s": tokens_per_s,
@@ -230,20 +203,20 @@ class Trainer:
             **scaling,
             "step_time_s": step_time,
             "samples_seen": self.samples_seen,
-            "comm_bytes": self.runtime.comm.job_step_bytes(self.runtime.group, self.runtime.distributed),
+            "comm_bytes": comm_bytes,
         }
 
     def evaluate(self) -> float:
         t = self.config.train
         loss, _ = validation_loss(
             self.train_module,
+            self.plan.eval_loss,
             self.val_data,
             self.runtime,
             t.eval_samples,
             t.micro_batch_size,
             t.seed,
             self.device,
-            self.config.precision.dtype,
         )
         return loss
 
@@ -254,8 +227,7 @@ class Trainer:
         path = save_checkpoint(
             self.run_dir,
             self.step,
-            self.train_module,
-            self.optimizer,
+            self.plan.checkpoint_state(self.optimizer),
             state,
             self.config,
             self.runtime,

@@ -1,0 +1,51 @@
+"""Running one step's forward and backward on a module that is not pipelined (a pipeline runs its
+schedule instead: `paralm.parallel.pipeline.Pipeline` has the same two methods)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from paralm.model import cross_entropy_loss
+from paralm.parallel.ddp import gradient_sync
+from paralm.parallel.tensor import local_value, loss_context
+from paralm.train.precision import autocast
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+LossScale = Callable[[torch.Tensor], torch.Tensor]  # multiplies the loss before backward (fp16 loss scaling)
+
+
+class StepRunner(Protocol):
+    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor: ...
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None: ...
+
+
+@dataclass
+class PlainStep:
+    """Micro-batches through `module` one after the other, gradients synced only on the last."""
+
+    module: nn.Module
+    device: torch.device
+    dtype: str  # the compute dtype (`precision.dtype`)
+    tp: int = 1  # tensor-parallel degree: the loss is then computed on vocabulary-sharded logits
+
+    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; returns this rank's mean loss over them."""
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            with gradient_sync(self.module, sync=i == len(batches) - 1), loss_context(self.tp):
+                with autocast(self.device, self.dtype):
+                    loss = cross_entropy_loss(self.module(x), y) / len(batches)
+                scale(loss).backward()
+            loss_sum += local_value(loss.detach())
+        return loss_sum
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one batch."""
+        with autocast(self.device, self.dtype), loss_context(self.tp):
+            return local_value(cross_entropy_loss(self.module(x), y))

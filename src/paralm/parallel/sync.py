@@ -1,0 +1,79 @@
+"""How data-parallel replicas agree: the hooks the training loop calls, whatever the strategy.
+
+A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per
+step `after_backward` (gradients are final) and `after_step` (the optimizer has stepped: local SGD and
+DiLoCo average there). Its own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol)
+travels in every checkpoint beside the model and optimizer, under `sync`: per-rank state such as
+error-feedback residuals or a replica's optimizer moments belongs there, keyed by rank so DCP keeps
+every rank's copy.
+
+The base class is all-reduce data parallelism, where DDP or FSDP sync gradients inside backward and
+nothing is left to do after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+# Optimizer state flattened to one key per parameter, hyperparameters included: pipeline stages hold
+# different parameters, and nested param groups (lists of names) would be saved from one rank only.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class TrainingState(Stateful):
+    """Model, optimizer and strategy state as DCP saves and loads it, keyed by unsharded parameter names
+    so a checkpoint moves between layouts. `state_dict()` is also the target DCP loads into."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync: SyncStrategy) -> None:
+        self.model, self.optimizer, self.sync = model, optimizer, sync
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = self.model_and_optimizer()
+        state = {"model": model_state, "optim": optim_state}
+        sync_state = self.sync.state_dict()
+        return state | {"sync": sync_state} if sync_state else state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_model_and_optimizer(state["model"], state["optim"])
+        if "sync" in state:
+            self.sync.load_state_dict(state["sync"])
+
+    def model_and_optimizer(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return get_state_dict(self.model, self.optimizer, options=FLAT)
+
+    def set_model_and_optimizer(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT
+        )
+
+
+class SyncStrategy(Stateful):
+    """All-reduce data parallelism (DDP, FSDP, replicate): gradients are synced inside backward."""
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop steps (the same one, unless the strategy shards or wraps it)."""
+        return optimizer
+
+    def stepped_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds (ZeRO-1: its partition's), for the memory meter."""
+        return optimizer
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
+        return TrainingState(model, optimizer, self)
+
+    def after_backward(self) -> None:
+        """Gradients are final on this rank (synced, unscaled); the optimizer has not stepped yet."""
+
+    def after_step(self, steps_done: int, last: bool) -> None:
+        """The optimizer has stepped `steps_done` times in all; `last`: the run ends after this step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: all-reduce keeps no state of its own."""
