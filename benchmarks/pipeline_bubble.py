@@ -30,7 +30,7 @@ from collections.abc import Callable
 from common import print_table
 
 from paralm.config import PIPELINE_SCHEDULES
-from paralm.parallel.checks import fewest_stages_per_rank
+from paralm.pipeline_schedules import fewest_stages_per_rank
 
 SCHEDULES = [(name, fewest_stages_per_rank(name)) for name in PIPELINE_SCHEDULES]  # (name, chunks per rank)
 MODEL = {"n_layer": 8, "n_head": 4, "d_model": 256, "block_size": 128, "vocab_size": 256, "dropout": 0.0}
@@ -68,9 +68,9 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
     from paralm.config import Config
     from paralm.errors import UserError
     from paralm.model import GPT
-    from paralm.parallel.checks import check_model_parallel
     from paralm.parallel.pipeline import build_pipeline
     from paralm.parallel.runtime import init_runtime, shutdown
+    from paralm.rules import check_model_parallel
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
     runtime = init_runtime(Config.from_dict({"parallel": {"pp": pp, "dp": 1}}).parallel)
@@ -108,7 +108,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
                 busy[0] = 0.0
                 dist.barrier()
                 started = time.perf_counter()
-                pipe.forward_backward([(x, x)])
+                pipe.forward_backward([(x, x)], scale=lambda loss: loss)
                 elapsed = time.perf_counter() - started
                 for param in pipe.parameters():
                     param.grad = None

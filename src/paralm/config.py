@@ -18,8 +18,8 @@ from typing import Any
 
 from paralm.errors import UserError
 from paralm.model import GPTConfig as ModelConfig
-from paralm.parallel.checks import check_model_parallel
-from paralm.parallel.sharding_checks import check_sharding
+from paralm.pipeline_schedules import PIPELINE_SCHEDULES
+from paralm.rules import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,17 +74,6 @@ class TrainConfig:
     ac_every: int = option(2, "with selective checkpointing, every k-th block is recomputed")
 
 
-PIPELINE_SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
-
-
 @dataclass
 class ParallelConfig:
     dp: int = option(-1, "data-parallel degree (dp_replicate x dp_shard); -1: the ranks the others leave")
@@ -95,7 +84,7 @@ class ParallelConfig:
     tp: int = option(1, "tensor-parallel degree")
     sequence_parallel: bool = option(False, "shard norms, dropout and residuals along the sequence (tp > 1)")
     pp: int = option(1, "pipeline-parallel degree (stages)")
-    pp_schedule: str = option("1f1b", "pipeline schedule", PIPELINE_SCHEDULES)
+    pp_schedule: str = option("1f1b", "pipeline schedule", tuple(PIPELINE_SCHEDULES))
     pp_microbatches: int = option(0, "micro-batches per pipeline step; 0: pp")
     pp_virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved and V schedules)")
     pp_split: list[int] = option([], "layers per stage, overriding the balanced split")
@@ -325,85 +314,3 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     config = Config.from_dict(raw, source="command line" if overrides else str(path or "defaults"))
     validate(config)
     return config
-
-
-def validate(config: Config) -> None:
-    """Checks that do not need to know the world size (those live in `paralm.parallel.dims`)."""
-    m, t = config.model, config.train
-    positive = {
-        "model.n_layer": m.n_layer,
-        "model.n_head": m.n_head,
-        "model.d_model": m.d_model,
-        "model.block_size": m.block_size,
-        "model.vocab_size": m.vocab_size,
-        "train.micro_batch_size": t.micro_batch_size,
-        "train.grad_accum": t.grad_accum,
-        "train.eval_samples": t.eval_samples,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise UserError(f"{name} = {value} must be at least 1")
-    nonnegative = {
-        "train.steps": t.steps,
-        "train.warmup_steps": t.warmup_steps,
-        "train.decay_steps": t.decay_steps,
-        "train.eval_every": t.eval_every,
-        "train.global_batch_size": t.global_batch_size,
-        "checkpoint.every": config.checkpoint.every,
-        "checkpoint.keep": config.checkpoint.keep,
-        "train.grad_clip": t.grad_clip,
-        "train.lr": t.lr,
-        "train.min_lr": t.min_lr,
-    }
-    for name, value in nonnegative.items():
-        if value < 0:
-            raise UserError(f"{name} = {value} must not be negative")
-    if m.d_model % m.n_head:
-        raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
-    if not 0 <= m.dropout < 1:
-        raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
-    if not 0 < config.data.val_fraction < 1:
-        raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
-    if config.comm.bucket_mb <= 0:
-        raise UserError(f"comm.bucket_mb = {config.comm.bucket_mb} must be positive")
-    validate_sync(config)
-    if config.parallel.dp == 0 or config.parallel.dp < -1:
-        raise UserError(f"parallel.dp = {config.parallel.dp} must be a positive degree or -1 (all ranks)")
-    check_model_parallel(config)
-    check_sharding(config)
-
-
-def validate_sync(config: Config) -> None:
-    """Replica synchronisation and gradient compression: ranges, and which combinations exist."""
-    s, c = config.sync, config.comm
-    at_least = {
-        "sync.ps_servers": (s.ps_servers, 1),
-        "sync.local_steps": (s.local_steps, 1),
-        "sync.max_staleness": (s.max_staleness, 0),
-        "comm.powersgd_rank": (c.powersgd_rank, 1),
-        "comm.powersgd_start_step": (c.powersgd_start_step, 2),
-        "sync.outer_lr": (s.outer_lr, 0),
-        "sync.outer_momentum": (s.outer_momentum, 0),
-        "sync.straggler_delay_s": (s.straggler_delay_s, 0),
-    }
-    for name, (value, low) in at_least.items():
-        if value < low:
-            raise UserError(f"{name} = {value} must be at least {low}")
-    if not 0 < c.topk_ratio <= 1:
-        raise UserError(f"comm.topk_ratio = {c.topk_ratio} must be in (0, 1]")
-    if s.outer_momentum >= 1:
-        raise UserError(f"sync.outer_momentum = {s.outer_momentum} must be below 1")
-    if c.compression != "none" and s.mode != "allreduce":
-        raise UserError(
-            f"comm.compression = {c.compression} compresses all-reduce gradients: it needs sync.mode = allreduce, "
-            f"not {s.mode}"
-        )
-    p = config.parallel
-    if (c.compression != "none" or s.mode != "allreduce") and (p.zero, p.tp, p.pp) != (0, 1, 1):
-        what = f"sync.mode = {s.mode}" if s.mode != "allreduce" else f"comm.compression = {c.compression}"
-        raise UserError(f"{what} replicates whole models: set parallel.zero = 0, parallel.tp = 1, parallel.pp = 1")
-    if s.mode in ("local_sgd", "diloco") and config.checkpoint.every % s.local_steps:
-        raise UserError(
-            f"checkpoint.every = {config.checkpoint.every} must be a multiple of sync.local_steps = {s.local_steps}: "
-            "replicas agree only right after an averaging"
-        )

@@ -10,8 +10,8 @@ and gradient norms (as for tensor parallelism, see test_tensor_parallel).
 import pytest
 
 from paralm.config import PIPELINE_SCHEDULES
-from paralm.parallel.checks import fewest_stages_per_rank
 from paralm.parallel.runtime import init_runtime
+from paralm.pipeline_schedules import fewest_stages_per_rank
 from paralm.train.trainer import train
 from tests.helpers import tiny_config
 from tests.multiprocess import run_ranks

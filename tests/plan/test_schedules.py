@@ -2,8 +2,8 @@ import pytest
 
 from paralm.config import PIPELINE_SCHEDULES, Config
 from paralm.errors import UserError
-from paralm.parallel.checks import check_model_parallel
 from paralm.plan.schedules import SCHEDULES
+from paralm.rules import check_model_parallel
 
 
 def test_every_configurable_schedule_has_a_cost_model() -> None:

@@ -22,43 +22,26 @@ batch size works.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
 from paralm.errors import UserError
 from paralm.model import GPT, cross_entropy_loss
-from paralm.parallel.checks import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, num_stages, pipeline_microbatches
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
 from paralm.parallel.step import Batches, LossScale
 from paralm.parallel.tensor import local_value, loss_context
+from paralm.pipeline_schedules import PIPELINE_SCHEDULES
+from paralm.rules import num_stages, pipeline_microbatches
 from paralm.train.precision import autocast
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv_zero_bubble": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
 TIED_COPY = "lm_head.weight"  # on the last stage: a copy of the first stage's wte.weight
 
 StageParallelizer = Callable[[GPT], nn.Module]
@@ -179,12 +162,13 @@ def _grad_like_param(param: nn.Parameter) -> torch.Tensor:
 
 
 def _build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:
-    schedule_cls = SCHEDULES[name]
+    schedule = PIPELINE_SCHEDULES[name]
+    schedule_cls = getattr(schedules, schedule.torch_class)
     try:
-        if name in SINGLE_STAGE_SCHEDULES:
+        if schedule.stages_per_rank == "one":
             return schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
         return schedule_cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    except ValueError as e:  # a constraint of the schedule that `checks` does not know
+    except ValueError as e:  # a constraint of the schedule that `paralm.rules` does not know
         raise UserError(f"parallel.pp_schedule = {name} cannot run this layout: {e}") from None
 
 
@@ -202,25 +186,33 @@ def _tied_group(runtime: Runtime, first: int, last: int) -> dist.ProcessGroup | 
     return mine
 
 
+def stage_to_rank(pp: int, stages: int, v_shape: bool) -> dict[int, int]:
+    """Which pipeline rank runs each stage: round robin (looped), or down and back up again (V), so
+    the first rank holds the first and the last stage."""
+    if not v_shape:
+        return {s: s % pp for s in range(stages)}
+    return {s: s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(stages)}
+
+
 def build_pipeline(model: GPT, runtime: Runtime, config: Config, parallelize_stage: StageParallelizer) -> Pipeline:
-    """Prune `model` to this rank's stages (the head gets its own copy of the tied weight), print the
+    """Prune `model` to this rank's stages (the head gets its own copy of the tied weight), log the
     split, parallelize each stage and hand them to the schedule."""
     p = config.parallel
     total = num_stages(config)
-    stage_to_rank = generate_stage_to_rank_mapping(p.pp, total, style="v" if p.pp_schedule in V_SCHEDULES else "loop")
+    ranks = stage_to_rank(p.pp, total, v_shape=PIPELINE_SCHEDULES[p.pp_schedule].stages_per_rank == "v")
     split = stage_split(config.model, total, p.pp_split)
     if runtime.is_main:
-        print(split.describe(stage_to_rank), flush=True)
+        print(split.describe(ranks), file=sys.stderr, flush=True)
     pp_rank = runtime.mesh["pp"].get_local_rank()
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
     stages = {
         s: _Stage(model, split.layer_range(s), s == 0, s == total - 1, config.precision.dtype)
         for s in range(total)
-        if stage_to_rank[s] == pp_rank
+        if ranks[s] == pp_rank
     }
     _prune(model, list(stages.values()))
     runs = {s: parallelize_stage(stage) for s, stage in stages.items()}
-    return Pipeline(model, runs, stage_to_rank, runtime, config)
+    return Pipeline(model, runs, ranks, runtime, config)
 
 
 def _prune(model: GPT, stages: list[_Stage]) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paralm.errors import UserError
 from paralm.model import GPTConfig
+from paralm.rules import check_split
 
 
 @dataclass(frozen=True)
@@ -128,15 +128,3 @@ def stage_split(model: GPTConfig, stages: int, override: list[int]) -> StageSpli
         return StageSplit(tuple(override), stage_costs(override, costs), balanced=False)
     layers = balanced_split(model.n_layer, stages, costs)
     return StageSplit(tuple(layers), stage_costs(layers, costs), balanced=True)
-
-
-def check_split(layers: list[int], n_layer: int, stages: int) -> None:
-    if len(layers) != stages:
-        raise UserError(
-            f"parallel.pp_split has {len(layers)} entries but the pipeline has {stages} stages "
-            "(parallel.pp x parallel.pp_virtual_stages): give one layer count per stage"
-        )
-    if min(layers) < 1:
-        raise UserError(f"parallel.pp_split = {layers}: every stage needs at least one layer")
-    if sum(layers) != n_layer:
-        raise UserError(f"parallel.pp_split = {layers} adds up to {sum(layers)} layers, the model has {n_layer}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paralm.pipeline_schedules import PIPELINE_SCHEDULES
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -19,16 +21,9 @@ class Schedule:
     holds_all: bool = False  # runs every forward before any backward (GPipe, breadth-first)
 
     def accepts(self, p: int, m: int) -> bool:
-        """The micro-batch counts torch.distributed.pipelining accepts, as `paralm.parallel.checks` states
-        them (a test keeps the two in step): 1F1B needs one per rank, DualPipeV one per stage (2p), the
-        interleaved schedules whole rounds of p."""
-        if self.name == "1f1b":
-            return m >= p
-        if self.name == "dualpipev":
-            return m >= 2 * p
-        if self.name in ("interleaved_1f1b", "interleaved_zero_bubble"):
-            return m % max(1, m // p) == 0
-        return True
+        """The micro-batch counts torch.distributed.pipelining accepts: paralm's own rule
+        (`paralm.pipeline_schedules`), with the fewest chunks per rank the schedule runs."""
+        return PIPELINE_SCHEDULES[self.name].accepts(p, p * self.chunks[0], m)
 
     def in_flight(self, p: int, m: int, v: int, rank: int) -> float:
         """Micro-batches of this rank's activations alive at its peak (in whole-rank units)."""

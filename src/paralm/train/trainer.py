@@ -18,12 +18,12 @@ from paralm.config import Config
 from paralm.data.prepare import dataset_dir
 from paralm.data.sampler import BatchLayout, sample_windows
 from paralm.data.shards import TokenDataset
-from paralm.errors import UserError
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
+from paralm.rules import check_vocab_size, resolve_grad_accum
 from paralm.train.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
@@ -49,20 +49,6 @@ def train(config: Config) -> None:
     shutdown(runtime)  # only on success: after a failure the launcher tears the job down
 
 
-def resolve_grad_accum(config: Config, dp: int) -> int:
-    """Micro-steps per step; `train.global_batch_size`, when set, decides it."""
-    t = config.train
-    if not t.global_batch_size:
-        return t.grad_accum
-    per_micro_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_micro_step:
-        raise UserError(
-            f"train.global_batch_size = {t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp}: change one of them"
-        )
-    return t.global_batch_size // per_micro_step
-
-
 class Trainer:
     def __init__(self, config: Config, runtime: Runtime) -> None:
         self.config, self.runtime, self.device = config, runtime, runtime.device
@@ -75,11 +61,7 @@ class Trainer:
         data_dir = dataset_dir(config.data)
         self.train_data = TokenDataset(data_dir, "train", config.model.block_size)
         self.val_data = TokenDataset(data_dir, "val", config.model.block_size)
-        if self.train_data.vocab_size > config.model.vocab_size:
-            raise UserError(
-                f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
-                f"{self.train_data.vocab_size} ({data_dir}): set model.vocab_size >= {self.train_data.vocab_size}"
-            )
+        check_vocab_size(config, self.train_data.vocab_size, data_dir)
         self.layout = BatchLayout(runtime.dims.dp, resolve_grad_accum(config, runtime.dims.dp), t.micro_batch_size)
 
         with torch.device("meta"):  # no memory yet: parallelize gives each rank its shards of the seeded init

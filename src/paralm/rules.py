@@ -1,0 +1,310 @@
+"""Every rule about settings that cannot run, in one place: each names the field and the fix.
+
+`validate` applies those that need only the config (`paralm.config.load_config` calls it); the
+others need a fact known later (the world size, the tokenizer) and are called where it is known.
+The planner proposes only layouts these rules accept. This module reads the config but does not
+import it at run time, so the config can apply the rules without an import circle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from paralm.errors import UserError
+from paralm.pipeline_schedules import PIPELINE_SCHEDULES
+
+if TYPE_CHECKING:
+    from paralm.config import Config, ParallelConfig
+
+
+def validate(config: Config) -> None:
+    """Every rule that needs only the config (`load_config` applies them)."""
+    m, t = config.model, config.train
+    positive = {
+        "model.n_layer": m.n_layer,
+        "model.n_head": m.n_head,
+        "model.d_model": m.d_model,
+        "model.block_size": m.block_size,
+        "model.vocab_size": m.vocab_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.grad_accum": t.grad_accum,
+        "train.eval_samples": t.eval_samples,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise UserError(f"{name} = {value} must be at least 1")
+    nonnegative = {
+        "train.steps": t.steps,
+        "train.warmup_steps": t.warmup_steps,
+        "train.decay_steps": t.decay_steps,
+        "train.eval_every": t.eval_every,
+        "train.global_batch_size": t.global_batch_size,
+        "checkpoint.every": config.checkpoint.every,
+        "checkpoint.keep": config.checkpoint.keep,
+        "train.grad_clip": t.grad_clip,
+        "train.lr": t.lr,
+        "train.min_lr": t.min_lr,
+    }
+    for name, value in nonnegative.items():
+        if value < 0:
+            raise UserError(f"{name} = {value} must not be negative")
+    if m.d_model % m.n_head:
+        raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
+    if not 0 <= m.dropout < 1:
+        raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if not 0 < config.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
+    if config.comm.bucket_mb <= 0:
+        raise UserError(f"comm.bucket_mb = {config.comm.bucket_mb} must be positive")
+    validate_sync(config)
+    if config.parallel.dp == 0 or config.parallel.dp < -1:
+        raise UserError(f"parallel.dp = {config.parallel.dp} must be a positive degree or -1 (all ranks)")
+    check_model_parallel(config)
+    check_sharding(config)
+
+
+def validate_sync(config: Config) -> None:
+    """Replica synchronisation and gradient compression: ranges, and which combinations exist."""
+    s, c = config.sync, config.comm
+    at_least = {
+        "sync.ps_servers": (s.ps_servers, 1),
+        "sync.local_steps": (s.local_steps, 1),
+        "sync.max_staleness": (s.max_staleness, 0),
+        "comm.powersgd_rank": (c.powersgd_rank, 1),
+        "comm.powersgd_start_step": (c.powersgd_start_step, 2),
+        "sync.outer_lr": (s.outer_lr, 0),
+        "sync.outer_momentum": (s.outer_momentum, 0),
+        "sync.straggler_delay_s": (s.straggler_delay_s, 0),
+    }
+    for name, (value, low) in at_least.items():
+        if value < low:
+            raise UserError(f"{name} = {value} must be at least {low}")
+    if not 0 < c.topk_ratio <= 1:
+        raise UserError(f"comm.topk_ratio = {c.topk_ratio} must be in (0, 1]")
+    if s.outer_momentum >= 1:
+        raise UserError(f"sync.outer_momentum = {s.outer_momentum} must be below 1")
+    if c.compression != "none" and s.mode != "allreduce":
+        raise UserError(
+            f"comm.compression = {c.compression} compresses all-reduce gradients: it needs sync.mode = allreduce, "
+            f"not {s.mode}"
+        )
+    p = config.parallel
+    if (c.compression != "none" or s.mode != "allreduce") and (p.zero, p.tp, p.pp) != (0, 1, 1):
+        what = f"sync.mode = {s.mode}" if s.mode != "allreduce" else f"comm.compression = {c.compression}"
+        raise UserError(f"{what} replicates whole models: set parallel.zero = 0, parallel.tp = 1, parallel.pp = 1")
+    if s.mode in ("local_sgd", "diloco") and config.checkpoint.every % s.local_steps:
+        raise UserError(
+            f"checkpoint.every = {config.checkpoint.every} must be a multiple of sync.local_steps = {s.local_steps}: "
+            "replicas agree only right after an averaging"
+        )
+
+
+def pipeline_microbatches(config: Config) -> int:
+    """Micro-batches per pipeline step (`parallel.pp_microbatches`; 0 means one per stage rank)."""
+    return config.parallel.pp_microbatches or config.parallel.pp
+
+
+def num_stages(config: Config) -> int:
+    return config.parallel.pp * config.parallel.pp_virtual_stages
+
+
+def check_model_parallel(config: Config) -> None:
+    """Raise a `UserError` naming the field and the fix for the first setting that cannot run."""
+    p, m = config.parallel, config.model
+    for name in ("tp", "pp", "pp_virtual_stages"):
+        if getattr(p, name) < 1:
+            raise UserError(f"parallel.{name} = {getattr(p, name)} must be at least 1")
+    if p.pp_microbatches < 0:
+        raise UserError(f"parallel.pp_microbatches = {p.pp_microbatches} must be positive (or 0: parallel.pp)")
+    _check_tensor_parallel(config)
+    if p.zero == 1 and p.tp * p.pp > 1:
+        raise UserError(
+            "parallel.zero = 1 (ZeroRedundancyOptimizer) cannot hold tensor- or pipeline-parallel parameters: "
+            "use parallel.zero = 0 (replicated) or 2 or 3 (sharded) with parallel.tp or parallel.pp > 1"
+        )
+    if p.pp == 1:  # the pipeline fields shape nothing then
+        return
+    stages = num_stages(config)
+    layout = PIPELINE_SCHEDULES[p.pp_schedule].stages_per_rank
+    if layout == "one" and p.pp_virtual_stages != 1:
+        others = [s.name for s in PIPELINE_SCHEDULES.values() if s.stages_per_rank != "one"]
+        raise UserError(
+            f"parallel.pp_schedule = {p.pp_schedule} runs one stage per rank: set parallel.pp_virtual_stages = 1 "
+            f"or pick one of {', '.join(others)}"
+        )
+    if layout == "v" and p.pp_virtual_stages != 2:
+        raise UserError(
+            f"parallel.pp_schedule = {p.pp_schedule} needs parallel.pp_virtual_stages = 2 (a V of two stages)"
+        )
+    if m.n_layer < stages:
+        raise UserError(
+            f"model.n_layer = {m.n_layer} is fewer than the {stages} pipeline stages "
+            f"(parallel.pp x parallel.pp_virtual_stages = {p.pp} x {p.pp_virtual_stages}): "
+            "lower them or add layers"
+        )
+    if p.pp_split:
+        check_split(p.pp_split, m.n_layer, stages)
+    _check_microbatches(config, stages)
+
+
+def _check_tensor_parallel(config: Config) -> None:
+    p, m = config.parallel, config.model
+    if p.sequence_parallel and p.tp == 1:
+        raise UserError("parallel.sequence_parallel shards within the tensor-parallel group: set parallel.tp > 1")
+    if m.n_head % p.tp:
+        raise UserError(
+            f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}: each rank must hold whole heads"
+        )
+    if m.vocab_size % p.tp:
+        raise UserError(
+            f"model.vocab_size = {m.vocab_size} is not divisible by parallel.tp = {p.tp}: "
+            f"pad it to a multiple of {p.tp} (a larger vocab_size is allowed)"
+        )
+    if p.sequence_parallel and m.block_size % p.tp:
+        raise UserError(
+            f"model.block_size = {m.block_size} is not divisible by parallel.tp = {p.tp}, "
+            "the number of pieces sequence parallelism cuts the sequence into"
+        )
+
+
+def _check_microbatches(config: Config, stages: int) -> None:
+    p, batch = config.parallel, config.train.micro_batch_size
+    n = pipeline_microbatches(config)
+    if batch % n:
+        raise UserError(
+            f"parallel.pp_microbatches = {n} does not divide train.micro_batch_size = {batch}, "
+            "the batch each pipeline step splits: make the batch a multiple of it"
+        )
+    schedule = PIPELINE_SCHEDULES[p.pp_schedule]
+    needed = schedule.fewest_microbatches(p.pp, stages)
+    if n < needed:
+        raise UserError(
+            f"parallel.pp_schedule = {p.pp_schedule} needs at least {needed} micro-batches, "
+            f"parallel.pp_microbatches = {n}: raise it"
+        )
+    rounds = schedule.microbatch_rounds(p.pp, n)
+    if rounds and n % rounds:
+        raise UserError(
+            f"parallel.pp_schedule = {p.pp_schedule} runs micro-batches in rounds of parallel.pp: "
+            f"parallel.pp_microbatches = {n} must be a multiple of {rounds} (e.g. a multiple of {p.pp})"
+        )
+
+
+def check_sharding(config: Config) -> None:
+    """ZeRO, precision and activation-checkpointing settings that cannot run."""
+    p, precision = config.parallel, config.precision
+    if p.cpu_offload and p.zero < 2:
+        raise UserError(
+            f"parallel.cpu_offload = true offloads FSDP's parameter shards, which parallel.zero = {p.zero} does "
+            "not make: set parallel.zero = 2 or 3, or parallel.cpu_offload = false"
+        )
+    if precision.reduce_dtype != "fp32" and p.zero < 2:
+        raise UserError(
+            f"precision.reduce_dtype = {precision.reduce_dtype} sets FSDP's gradient reduce-scatter dtype: "
+            f"it needs parallel.zero = 2 or 3 (parallel.zero = {p.zero}), or precision.reduce_dtype = fp32"
+        )
+    if precision.dtype == "fp16" and p.pp > 1:
+        raise UserError(
+            "precision.dtype = fp16 needs loss scaling, which the pipeline schedules do not apply: "
+            "use precision.dtype = bf16 with parallel.pp > 1"
+        )
+    if config.train.ac_every < 1:
+        raise UserError(f"train.ac_every = {config.train.ac_every} must be at least 1 (1 checkpoints every block)")
+
+
+def check_sharded_layout(parallel: ParallelConfig, dp: int) -> None:
+    """Sharding against the resolved data-parallel degree."""
+    if parallel.cpu_offload and dp == 1:
+        raise UserError(
+            "parallel.cpu_offload = true offloads FSDP's shards, but there is a single data-parallel rank "
+            "and nothing is sharded: run 2 or more data-parallel ranks, or set parallel.cpu_offload = false"
+        )
+
+
+def check_split(layers: list[int], n_layer: int, stages: int) -> None:
+    if len(layers) != stages:
+        raise UserError(
+            f"parallel.pp_split has {len(layers)} entries but the pipeline has {stages} stages "
+            "(parallel.pp x parallel.pp_virtual_stages): give one layer count per stage"
+        )
+    if min(layers) < 1:
+        raise UserError(f"parallel.pp_split = {layers}: every stage needs at least one layer")
+    if sum(layers) != n_layer:
+        raise UserError(f"parallel.pp_split = {layers} adds up to {sum(layers)} layers, the model has {n_layer}")
+
+
+def resolve_data_parallel(parallel: ParallelConfig, world_size: int, servers: int = 0) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) with -1 resolved, checked against the world size; `servers`
+    parameter-server ranks stand outside the mesh."""
+    if servers >= world_size:
+        raise UserError(
+            f"sync.ps_servers = {servers} leaves no worker among the {world_size} ranks: "
+            "start more processes or use fewer servers"
+        )
+    world_size -= servers
+    for name in ("tp", "pp"):
+        if getattr(parallel, name) < 1:
+            raise UserError(f"parallel.{name} = {getattr(parallel, name)} must be at least 1")
+    for name in ("dp_replicate", "dp_shard"):
+        value = getattr(parallel, name)
+        if value == 0 or value < -1:
+            raise UserError(f"parallel.{name} = {value} must be a positive degree or -1 (the remainder)")
+    model_parallel = parallel.tp * parallel.pp
+    if world_size % model_parallel:
+        raise UserError(
+            f"parallel.tp x parallel.pp = {model_parallel} does not divide the {world_size} ranks: "
+            "change the degrees or the number of processes"
+        )
+    dp = world_size // model_parallel if parallel.dp == -1 else parallel.dp
+    replicate, shard = parallel.dp_replicate, parallel.dp_shard
+    if replicate == -1 and shard == -1:
+        raise UserError("parallel.dp_replicate and parallel.dp_shard cannot both be -1: fix one of them")
+    if replicate == -1:
+        replicate = _remainder(dp, shard, "parallel.dp_replicate", "parallel.dp_shard")
+    if shard == -1:
+        shard = _remainder(dp, replicate, "parallel.dp_shard", "parallel.dp_replicate")
+    if replicate * shard != dp:
+        raise UserError(
+            f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {shard} must equal "
+            f"the data-parallel degree {dp}"
+        )
+    ranks = parallel.pp * dp * parallel.tp
+    if ranks != world_size:
+        raise UserError(
+            f"parallel degrees pp x dp x tp = {parallel.pp} x {dp} x {parallel.tp} = {ranks} "
+            f"do not match the {world_size} ranks: set parallel.dp = -1 or start {ranks} processes"
+        )
+    check_sharded_layout(parallel, dp)
+    return replicate, shard
+
+
+def _remainder(total: int, other: int, name: str, other_name: str) -> int:
+    if total % other:
+        raise UserError(
+            f"{other_name} = {other} does not divide the data-parallel degree {total}, so {name} "
+            "cannot take the remainder"
+        )
+    return total // other
+
+
+def resolve_grad_accum(config: Config, dp: int) -> int:
+    """Micro-steps per step; `train.global_batch_size`, when set, decides it."""
+    t = config.train
+    if not t.global_batch_size:
+        return t.grad_accum
+    per_micro_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_micro_step:
+        raise UserError(
+            f"train.global_batch_size = {t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp}: change one of them"
+        )
+    return t.global_batch_size // per_micro_step
+
+
+def check_vocab_size(config: Config, tokenizer_vocab: int, data_dir: Path) -> None:
+    if tokenizer_vocab > config.model.vocab_size:
+        raise UserError(
+            f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer_vocab} ({data_dir}): set model.vocab_size >= {tokenizer_vocab}"
+        )
