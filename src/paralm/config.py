@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paralm.dtypes import DTYPES
 from paralm.errors import UserError
 from paralm.model import GPTConfig as ModelConfig
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 from paralm.rules import validate
+
+CONFIG_FILE = "config.toml"  # the resolved config, in a run directory and in each checkpoint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,7 +68,7 @@ class TrainConfig:
         500, "step at which the cosine decay reaches min_lr (independent of steps, so runs resume)"
     )
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (not on biases, norms)")
-    beta1: float = option(0.9, "AdamW beta1 (SGD momentum)")
+    beta1: float = option(0.9, "AdamW beta1 (SGD is built without momentum)")
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "max global gradient norm; 0 disables clipping")
     eval_every: int = option(100, "evaluate on the validation split every N steps; 0: only at the end")
@@ -125,8 +128,8 @@ class SyncConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = option("fp32", "compute dtype (master weights stay fp32)", ("fp32", "bf16", "fp16"))
-    reduce_dtype: str = option("fp32", "gradient-reduction dtype under sharding", ("fp32", "bf16", "fp16"))
+    dtype: str = option("fp32", "compute dtype (master weights stay fp32)", tuple(DTYPES))
+    reduce_dtype: str = option("fp32", "gradient-reduction dtype under sharding", tuple(DTYPES))
 
 
 @dataclass

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from paralm.dtypes import torch_dtype
+
 # Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s.
 # A100 SXM: 312 TFLOP/s bf16/fp16, 19.5 fp32 (156 with TF32); H100 SXM: 989 bf16/fp16, 67 fp32;
 # H200: same compute as H100 SXM.
@@ -23,8 +25,6 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 }
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cache_dir() -> Path:
@@ -74,8 +74,8 @@ def _cpu_name() -> str:
 
 def measure_matmul_flops(device: torch.device, dtype: str, size: int = 1024, seconds: float = 0.5) -> float:
     """Best FLOP/s of a square matmul over repeated trials: the practical peak of this device."""
-    a = torch.randn(size, size, device=device, dtype=_DTYPES[dtype])
-    b = torch.randn(size, size, device=device, dtype=_DTYPES[dtype])
+    a = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
+    b = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
     torch.matmul(a, b)  # warm-up: kernel selection, page faults
     best = 0.0
     deadline = time.perf_counter() + seconds

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from paralm.config import Config, load_config
+from paralm.config import CONFIG_FILE, Config, load_config
 from paralm.data.prepare import dataset_dir
 from paralm.errors import UserError
 from paralm.model import GPT
 from paralm.parallel.runtime import select_device
-from paralm.train.checkpoint import CONFIG_FILE, latest_checkpoint, load_checkpoint, resolve_checkpoint
+from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 
 
 @dataclass

@@ -9,8 +9,8 @@ prefix: parameter names stay those of the plain model.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from paralm.compat import checkpoint_wrapper
 from paralm.config import TrainConfig
 
 

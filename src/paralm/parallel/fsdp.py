@@ -18,16 +18,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from paralm.config import Config
+from paralm.dtypes import torch_dtype
 from paralm.parallel.dims import ParallelDims
 from paralm.parallel.runtime import Runtime
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def uses_fsdp(zero: int, dims: ParallelDims) -> bool:
@@ -49,8 +47,8 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, config: Config) -> None:
     policy = {
         "mesh": fsdp_mesh(runtime),
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=None if compute == "fp32" else DTYPES[compute],
-            reduce_dtype=DTYPES[config.precision.reduce_dtype],
+            param_dtype=None if compute == "fp32" else torch_dtype(compute),
+            reduce_dtype=torch_dtype(config.precision.reduce_dtype),
         ),
         "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
     }

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from paralm.compat import TorchDispatchMode
 
 
 def has_meta_tensors(model: nn.Module) -> bool:

@@ -12,8 +12,8 @@ is built on FSDP2's machinery, which takes DTensor parameters and which the pipe
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 
+from paralm.compat import replicate
 from paralm.parallel.runtime import Runtime
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from paralm.compat import flatten_mesh
 from paralm.config import ParallelConfig
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.dims import MESH_DIMS, ParallelDims
@@ -108,7 +109,7 @@ def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minute
             mesh = DeviceMesh(device.type, torch.arange(servers, world_size).view(shape), mesh_dim_names=MESH_DIMS)
         else:
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
         if servers:  # every rank takes part in creating every group
             server_group = dist.new_group(list(range(servers)))
             group = server_group if rank < servers else dp_mesh.get_group()

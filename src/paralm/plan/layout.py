@@ -13,11 +13,10 @@ import functools
 from dataclasses import dataclass
 
 from paralm.config import Config
+from paralm.dtypes import DTYPE_BYTES
 from paralm.parallel.split import stage_split
 from paralm.plan.schedules import SCHEDULES, Schedule
 from paralm.plan.shape import ModelShape
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)

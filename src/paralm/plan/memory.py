@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from paralm.plan.cluster import Cluster
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload
 from paralm.plan.shape import ModelShape
+from paralm.zero import per_rank
 
 # Bytes per parameter for a 16-bit compute dtype: (parameters, gradients, fp32 master copy). The
 # optimizer adds 4 bytes per fp32 slot. In fp32 every recipe is (4, 4, 0): the parameters are the master.
@@ -39,11 +40,8 @@ def model_states(params: float, dtype: str, recipe: str, optimizer_slots: int, z
     """Parameter, gradient and optimizer bytes on one device holding a 1/`shards` ZeRO shard."""
     param, grad, master = STATE_RECIPES[recipe] if DTYPE_BYTES[dtype] < 4 else (4, 4, 0)
     optim = master + 4 * optimizer_slots
-    return ModelStates(
-        param_bytes=params * param / (shards if zero >= 3 else 1),
-        grad_bytes=params * grad / (shards if zero >= 2 else 1),
-        optim_bytes=params * optim / (shards if zero >= 1 else 1),
-    )
+    held = per_rank({"params": params * param, "grads": params * grad, "optim": params * optim}, zero, shards)
+    return ModelStates(param_bytes=held["params"], grad_bytes=held["grads"], optim_bytes=held["optim"])
 
 
 def layer_activation_bytes(

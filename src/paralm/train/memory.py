@@ -22,6 +22,7 @@ precision keep fp32 master weights and fp32 gradients where the paper has fp16 o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
+from paralm.zero import is_sharded, per_rank
 
 MiB = 2**20
 
@@ -58,16 +60,18 @@ class ZeroPrediction:
     num_params: int
     per_param: StateBytes
 
+    def _parts(self) -> dict[str, int]:
+        return dataclasses.asdict(self.per_param)
+
     def _split(self) -> tuple[int, int]:
         """(replicated, sharded) bytes per parameter."""
-        b, s = self.per_param, self.stage
-        parts = ((b.params, s >= 3), (b.grads, s >= 2), (b.optim, s >= 1))
-        return sum(n for n, sharded in parts if not sharded), sum(n for n, sharded in parts if sharded)
+        parts = self._parts()
+        sharded = sum(n for part, n in parts.items() if is_sharded(part, self.stage))
+        return sum(parts.values()) - sharded, sharded
 
     @property
     def bytes(self) -> float:
-        replicated, sharded = self._split()
-        return self.num_params * (replicated + sharded / self.shards)
+        return self.num_params * sum(per_rank(self._parts(), self.stage, self.shards).values())
 
     @property
     def formula(self) -> str:

@@ -5,15 +5,48 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from paralm.config import LogConfig
+from paralm.config import CONFIG_FILE, Config, LogConfig
 
 METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Speed figures of a step: tokens/s and MFU (model FLOPs over the peak of every rank's device)."""
+
+    flops_per_token: float
+    peak_flops: float  # of one device
+    world_size: int
+
+    def row(self, tokens: float, seconds: float) -> dict[str, float]:
+        tokens_per_s = tokens / seconds
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds}
+
+
+def step_row(step: int, loss: float, lr: float, grad_norm: float | None, **figures: Any) -> dict[str, Any]:
+    """A metrics row: what every step logs first, then the mode's figures (throughput, memory, bytes)."""
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **figures}
+
+
+def banner(what: str, step: int, steps: int) -> str:
+    """The start-up line: what runs, and from where to where."""
+    return f"paralm: {what}; {'resuming at step ' + str(step) if step else 'starting'} -> step {steps}"
+
+
+def open_run_log(config: Config, start_step: int) -> MetricsLogger:
+    """The lead rank's log of a run: the resolved config written beside the metrics."""
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(config.to_toml())
+    return MetricsLogger(run_dir, config.log, start_step, config.train.steps)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

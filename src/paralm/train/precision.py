@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from paralm.dtypes import torch_dtype
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """bf16 autocast keeps matmuls in bf16 and reductions (softmax, norms, loss) in fp32."""
-    if dtype in AUTOCAST_DTYPES:
-        return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[dtype])
+    if dtype != "fp32":
+        return torch.autocast(device_type=device.type, dtype=torch_dtype(dtype))
     return contextlib.nullcontext()
 
 

@@ -31,19 +31,16 @@ from paralm.train.checkpoint import (
     trainer_state,
 )
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
-from paralm.train.metrics import MetricsLogger, peak_memory_bytes
+from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
+from paralm.train.param_server import run_parameter_server
 from paralm.train.precision import LossScaler
-
-RESOLVED_CONFIG = "config.toml"
 
 
 def train(config: Config) -> None:
     runtime = init_runtime(config.parallel, servers=config.sync.servers)
     if config.sync.mode == "parameter_server":
-        from paralm.parallel.param_server import run_parameter_server  # it builds its workers' Trainers
-
-        run_parameter_server(config, runtime)
+        run_parameter_server(config, runtime, Trainer)
     else:
         Trainer(config, runtime).fit()
     shutdown(runtime)  # only on success: after a failure the launcher tears the job down
@@ -76,13 +73,12 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self._restore()
-        self.peak_flops = device_peak_flops(self.device, config.precision.dtype)
+        peak_flops = device_peak_flops(self.device, config.precision.dtype)
+        self.throughput = Throughput(self.flops_per_token, peak_flops, runtime.world_size)
         self.logger = None
         if runtime.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / RESOLVED_CONFIG).write_text(config.to_toml())
-            self.logger = MetricsLogger(self.run_dir, config.log, self.step, t.steps)
-            self.logger.message(self._banner())
+            self.logger = open_run_log(config, self.step)
+            self.logger.message(banner(self._describe(), self.step, t.steps))
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 
     def _restore(self) -> None:
@@ -93,14 +89,13 @@ class Trainer:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
 
-    def _banner(self) -> str:
+    def _describe(self) -> str:
         layout, m = self.layout, self.config.model
         return (
-            f"paralm: {self.num_params / 1e6:.2f}M parameters ({m.n_layer} layers, d_model {m.d_model}), "
+            f"{self.num_params / 1e6:.2f}M parameters ({m.n_layer} layers, d_model {m.d_model}), "
             f"{self.runtime.world_size} rank(s) on {self.device.type}, dp {layout.dp_size}, "
             f"global batch {layout.global_batch} = {layout.dp_size} x {layout.grad_accum} x "
-            f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}; "
-            f"{'resuming at step ' + str(self.step) if self.step else 'starting'} -> step {self.config.train.steps}"
+            f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}"
         )
 
     def fit(self) -> None:
@@ -172,21 +167,18 @@ class Trainer:
         loss = reduced.pop("loss") / (self.layout.dp_size * self.runtime.dims.tp)
         comm_bytes = int(reduced.pop("comm_bytes"))
         memory = {key: int(value) for key, value in reduced.items()}
-        step_time = time.perf_counter() - started
-        tokens_per_s = self.layout.global_batch * self.config.model.block_size / step_time
-        return {
-            "step": self.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": None if scaling.get("overflow") else grad_norm.item(),
-            "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.runtime.world_size),
+        tokens = self.layout.global_batch * self.config.model.block_size
+        return step_row(
+            self.step,
+            loss,
+            lr,
+            None if scaling.get("overflow") else grad_norm.item(),
+            **self.throughput.row(tokens, time.perf_counter() - started),
             **memory,
             **scaling,
-            "step_time_s": step_time,
-            "samples_seen": self.samples_seen,
-            "comm_bytes": comm_bytes,
-        }
+            samples_seen=self.samples_seen,
+            comm_bytes=comm_bytes,
+        )
 
     def evaluate(self) -> float:
         t = self.config.train

@@ -1,0 +1,29 @@
+"""The private torch APIs paralm relies on, in one place: a torch upgrade that moves one fails here
+(and in `tests/test_compat.py`), not somewhere deep in a training run. Each says why no public API
+does the job in torch 2.13.
+"""
+
+from __future__ import annotations
+
+# DDP semantics built on FSDP2, the only data parallelism that takes DTensor (tensor-parallel)
+# parameters and pipeline stages; `DistributedDataParallel` takes neither, and it has no public path.
+from torch.distributed._composable.replicate_with_fsdp import replicate
+
+# Activation checkpointing as a module wrapper whose prefix DCP's `get_state_dict` strips, so parameter
+# names stay the plain model's; the public `torch.utils.checkpoint.checkpoint` is a function, which
+# would need a wrapper of our own that DCP does not know.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+
+# Intercepting every op `init_weights` runs on a sharded parameter (to replay it at full size):
+# `TorchDispatchMode` is documented but exported only from this module.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["TorchDispatchMode", "checkpoint_wrapper", "flatten_mesh", "replicate"]
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh`'s dims merged into one named dim of the same root mesh. `DeviceMesh._flatten` is the only
+    way: a new mesh over the same ranks would have another root, and FSDP2 (`replicate`) refuses to
+    combine a data-parallel mesh with tensor-parallel DTensors from a different root."""
+    return mesh._flatten(name)

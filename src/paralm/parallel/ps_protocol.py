@@ -1,0 +1,118 @@
+"""The parameter server's messages: what crosses between workers and servers, as types.
+
+Every message is a `Header` (a small float64 tensor of its fields), followed for parameters and
+gradients by a flat payload in the parameters' dtype. Tags keep the streams apart, so a server can
+wait for "the next header from anyone" without taking a payload or a checkpoint transfer instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from paralm.errors import UserError
+from paralm.parallel.comm_stats import CommStats
+
+LEAD = 0  # the server that orders asynchronous updates, writes metrics and checkpoints
+
+
+class Kind(enum.IntEnum):
+    """What a worker's message is."""
+
+    PULL = 0  # send me fresh parameters and tell me what to do next
+    PUSH = 1  # here is a gradient (payload follows)
+    REPORT = 2  # here is the validation loss
+
+
+class Status(enum.IntEnum):
+    """A server's answer to a pull, or the lead's order to the other servers about a message."""
+
+    RUN = 0
+    STOP = 1
+    EVALUATE_AND_RUN = 2
+    EVALUATE_AND_STOP = 3
+    DROP = 4  # a push too stale to apply
+    APPLY = 5
+
+    @property
+    def evaluates(self) -> bool:
+        return self in (Status.EVALUATE_AND_RUN, Status.EVALUATE_AND_STOP)
+
+    @property
+    def stops(self) -> bool:
+        return self in (Status.STOP, Status.EVALUATE_AND_STOP)
+
+
+class Tag(enum.IntEnum):
+    HEADER = 0
+    PAYLOAD = 1
+    ORDER = 2  # lead server -> other servers
+    STATE = 3  # initial parameters, optimizer state, checkpoint transfers
+
+
+@dataclass
+class Header:
+    kind: Kind = Kind.PULL
+    status: Status = Status.RUN
+    version: int = 0  # updates the parameters had seen (pull answers), or that a gradient was computed on
+    start: int = 0  # the batch's first sample
+    loss: float = 0.0
+    grad_norm: float = 0.0  # asynchronous workers clip their own gradient
+    traffic: float = 0.0  # bytes the sender moved since it last reported them
+    compute_s: float = 0.0  # seconds the worker spent on the gradient
+    val_loss: float = 0.0
+    peer: int = 0  # orders: the worker whose message to handle next
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([float(v) for v in dataclasses.astuple(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, message: torch.Tensor) -> Header:
+        values = dict(zip(HEADER_FIELDS, message.tolist(), strict=True))
+        return cls(**{name: KINDS[name](value) for name, value in values.items()})
+
+
+HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header))
+KINDS = {"kind": lambda v: Kind(int(v)), "status": lambda v: Status(int(v)), "version": int, "start": int, "peer": int}
+KINDS |= {name: float for name in HEADER_FIELDS if name not in KINDS}
+HEADER_BYTES = len(HEADER_FIELDS) * 8
+
+
+@dataclass
+class Endpoint:
+    """This rank's end of the parameter-server messages, counted in `stats`."""
+
+    stats: CommStats
+    device: torch.device
+
+    def send(self, dst: int, head: Header, payload: torch.Tensor | None = None, tag: Tag = Tag.HEADER) -> None:
+        self.stats.send(head.to_tensor(), dst, tag)
+        if payload is not None:
+            self.stats.send(payload, dst, Tag.PAYLOAD)
+
+    def recv(self, src: int | None, tag: Tag = Tag.HEADER) -> tuple[int, Header]:
+        """A header from `src` (from whichever rank sends first when None): (sender, header)."""
+        message = torch.empty(len(HEADER_FIELDS), dtype=torch.float64)
+        sender = self.stats.recv(message, src, tag)
+        return sender, Header.from_tensor(message)
+
+    def recv_payload(self, src: int, like: list[torch.Tensor]) -> torch.Tensor:
+        payload = torch.empty(sum(t.numel() for t in like), dtype=like[0].dtype, device=self.device)
+        self.stats.recv(payload, src, Tag.PAYLOAD)
+        return payload
+
+
+def shard_bounds(sizes: list[int], servers: int) -> list[range]:
+    """Contiguous runs of parameter indices, one per server, of about equal total size."""
+    if len(sizes) < servers:
+        raise UserError(f"sync.ps_servers = {servers} exceeds the model's {len(sizes)} parameter tensors")
+    total, bounds, running = sum(sizes), [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        running += size
+        cuts_left, tensors_left = servers - len(bounds), len(sizes) - i - 1
+        if cuts_left and (running >= total * len(bounds) / servers or tensors_left == cuts_left):
+            bounds.append(i + 1)
+    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(sizes)], strict=True)]

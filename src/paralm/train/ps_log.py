@@ -1,0 +1,79 @@
+"""The lead parameter server's metrics: one row per update, with `comm_bytes` = the bytes all ranks
+sent for it (workers report their traffic in their headers, since every worker-server byte has a
+worker at one end, and servers add their server-to-server bytes). Checkpoint transfers appear in the
+end-of-run summary only; evaluation runs on the workers and the first one reports the loss."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from paralm.config import Config
+from paralm.hardware import device_peak_flops
+from paralm.parallel.ps_protocol import HEADER_BYTES, Endpoint, Kind
+from paralm.parallel.runtime import Runtime
+from paralm.train.metrics import Throughput, banner, open_run_log, step_row
+from paralm.train.optim import learning_rate
+from paralm.train.ps_shard import ServerShard
+
+
+class ServerLog:
+    def __init__(self, config: Config, runtime: Runtime, shard: ServerShard, link: Endpoint, update_batch: int) -> None:
+        self.config, self.shard, self.link, self.update_batch = config, shard, link, update_batch
+        self.run_dir = Path(config.run.dir)
+        peak = device_peak_flops(runtime.device, config.precision.dtype)
+        self.throughput = Throughput(shard.model.flops_per_token(), peak, runtime.world_size)
+        self.pending_traffic = 0.0  # reported by workers, not yet in a row
+        self.logger = open_run_log(config, shard.version)
+        self.logger.message(banner(self._describe(runtime), shard.version, config.train.steps))
+        self.last_time = time.perf_counter()
+
+    def _describe(self, runtime: Runtime) -> str:
+        s, t, workers = self.config.sync, self.config.train, runtime.dims.dp
+        per_push = t.grad_accum * t.micro_batch_size
+        how = (
+            f"asynchronous (max staleness {s.max_staleness}), {per_push} sequences per update"
+            + ("; validation and checkpoints at the end only" if t.eval_every or self.config.checkpoint.every else "")
+            if s.ps_async
+            else f"synchronous, global batch {self.update_batch} = {workers} x {per_push} sequences"
+        )
+        return (
+            f"parameter server, {self.shard.model.num_params() / 1e6:.2f}M parameters on {runtime.servers} "
+            f"server(s), {workers} worker(s) on {runtime.device.type}, {how}"
+        )
+
+    def row(self, loss: float, grad_norm: float, server_traffic: float) -> dict[str, Any]:
+        now = time.perf_counter()
+        step_time, self.last_time = now - self.last_time, now
+        traffic, self.pending_traffic = self.pending_traffic + server_traffic, 0.0
+        step = self.shard.version - 1
+        return step_row(
+            step,
+            loss,
+            learning_rate(step, self.config.train),
+            grad_norm,
+            **self.throughput.row(self.update_batch * self.config.model.block_size, step_time),
+            samples_seen=self.shard.samples_seen,
+            comm_bytes=traffic,
+        )
+
+    def await_report(self) -> dict[str, float]:
+        first_worker = self.shard.servers
+        _, head = self.link.recv(first_worker)
+        if head.kind != Kind.REPORT:
+            raise RuntimeError(f"parameter server: expected rank {first_worker}'s evaluation report")
+        return {"val_loss": head.val_loss, "traffic": head.traffic + HEADER_BYTES}  # and the report itself
+
+    def write(self, row: dict[str, Any]) -> None:
+        row["comm_bytes"] = int(row.get("comm_bytes", 0) + row.pop("traffic", 0))
+        self.logger.write(row)
+        self.logger.progress(row)
+
+    def message(self, text: str) -> None:
+        self.logger.message(text)
+
+    def close(self, summary: str | None) -> None:
+        if summary:
+            self.logger.message(summary)
+        self.logger.close()

@@ -1,0 +1,101 @@
+"""A parameter-server worker: pulls parameters, computes gradients with the trainer's step engine
+(its data, micro-batches and forward/backward), pushes them, and evaluates when told to."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from paralm.config import Config
+from paralm.data.sampler import BatchLayout
+from paralm.parallel.flat import flatten, unflatten
+from paralm.parallel.ps_protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
+from paralm.parallel.runtime import Runtime
+
+if TYPE_CHECKING:
+    from paralm.train.trainer import Trainer
+
+
+class Worker:
+    def __init__(self, trainer: Trainer, config: Config, runtime: Runtime) -> None:
+        self.trainer, self.config, self.runtime = trainer, config, runtime
+        self.link = Endpoint(runtime.comm, runtime.device)
+        self.params = list(trainer.model.parameters())
+        bounds = shard_bounds([p.numel() for p in self.params], runtime.servers)
+        self.shards = [self.params[b.start : b.stop] for b in bounds]
+        t = config.train
+        if config.sync.ps_async:  # an update is one worker's batch
+            self.layout, self.dp_rank = BatchLayout(1, t.grad_accum, t.micro_batch_size), 0
+        else:  # an update is the global batch, each worker taking its slice as in all-reduce data parallelism
+            self.layout, self.dp_rank = trainer.layout, runtime.dp_rank
+        self.first = runtime.rank == runtime.servers
+
+    def work(self) -> None:
+        self._work()
+        self.runtime.comm.summarise(self.runtime.world_size, 0, None)  # collective: the lead server writes it
+
+    def _work(self) -> None:
+        if self.first:  # the servers start from this worker's parameters (initialised, or restored by the Trainer)
+            for server, shard in enumerate(self.shards):
+                self.link.send(server, Header(), flatten([p.detach() for p in shard]), Tag.STATE)
+        reply = self.pull()
+        while True:
+            if reply.status.evaluates:
+                self.report(self.trainer.evaluate())
+            if reply.status.stops:
+                return
+            self.push(*self.compute(reply.version, reply.start), reply)
+            reply = self.pull()
+
+    def compute(self, version: int, start: int) -> tuple[float, float, float]:
+        """Gradients of this worker's batch at `start`: (loss, grad norm (async only), seconds)."""
+        started = time.perf_counter()
+        self.trainer.plan.before_step(self.config.train.seed, version)
+        batches = self.trainer.micro_batches(self.layout.micro_batch_starts(start, self.dp_rank))
+        loss = self.trainer.forward_backward(batches).item()
+        grad_norm = 0.0
+        if self.config.sync.ps_async:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip or float("inf")).item()
+        return loss, grad_norm, time.perf_counter() - started
+
+    def _traffic(self) -> int:
+        """Bytes this worker sent and received since it last told the lead server."""
+        return sum(self.runtime.comm.take_step())
+
+    def push(self, loss: float, grad_norm: float, seconds: float, reply: Header) -> None:
+        for server, shard in enumerate(self.shards):
+            message = Header(
+                kind=Kind.PUSH,
+                version=reply.version,
+                start=reply.start,
+                loss=loss,
+                grad_norm=grad_norm,
+                compute_s=seconds,
+                traffic=self._traffic() if server == LEAD else 0,
+            )
+            self.link.send(server, message, flatten([p.grad for p in shard]))
+        self.trainer.model.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def pull(self) -> Header:
+        """Fresh parameters from every server; returns the lead's answer (what to do next)."""
+        for server in range(len(self.shards)):
+            self.link.send(server, Header(kind=Kind.PULL, traffic=self._traffic() if server == LEAD else 0))
+        answers = []
+        for server, shard in enumerate(self.shards):
+            answers.append(self.link.recv(server)[1])
+            flat = self.link.recv_payload(server, shard)
+            for p, value in zip(shard, unflatten(flat, shard), strict=True):
+                p.copy_(value)
+        return answers[LEAD]
+
+    def report(self, val_loss: float) -> None:
+        """After an evaluation (collective over the workers) the first worker sends the loss to the lead
+        server, with all workers' traffic not yet reported."""
+        traffic = self.runtime.all_reduce(
+            torch.tensor([float(self._traffic())], dtype=torch.float64, device=self.runtime.device)
+        )
+        if self.first:
+            self.link.send(LEAD, Header(kind=Kind.REPORT, val_loss=val_loss, traffic=traffic.item()))

@@ -1,0 +1,30 @@
+"""Every private torch API paralm uses still exists where `paralm.compat` takes it from, and works."""
+
+import torch
+
+from paralm import compat
+
+
+def test_the_private_apis_import():
+    assert callable(compat.checkpoint_wrapper) and callable(compat.replicate) and callable(compat.flatten_mesh)
+    assert issubclass(compat.TorchDispatchMode, object)
+
+
+def test_checkpoint_wrapper_keeps_the_module_working():
+    block = torch.nn.Linear(3, 3)
+    wrapped = compat.checkpoint_wrapper(block)
+    x = torch.ones(2, 3)
+    assert torch.equal(wrapped(x), block(x))
+
+
+def test_a_dispatch_mode_sees_the_ops():
+    seen = []
+
+    class Record(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2).add_(1)
+    assert seen

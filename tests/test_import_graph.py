@@ -1,0 +1,97 @@
+"""The package's import graph has no circle: every module can be understood from those below it.
+
+Imports are read with `ast` from the source, at module level and inside functions (a lazy import
+still ties the two modules together); those under `if TYPE_CHECKING:` are only for type checkers
+and are left out.
+"""
+
+import ast
+from pathlib import Path
+
+import paralm
+
+SOURCE = Path(paralm.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SOURCE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    found: list[str] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """paralm module -> the paralm modules it imports (a name imported from a package counts as its
+    submodule when there is one, else as the package)."""
+    modules = {_module_name(p): p for p in SOURCE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = {t for t in _imports(ast.parse(path.read_text())) if t in modules}
+        graph[name] = {t for t in targets if t != name and t != "paralm"}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_reader_finds_a_circle_when_there_is_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_covers_the_package():
+    graph = import_graph()
+    assert "paralm.parallel.parallelize" in graph["paralm.train.trainer"]
+    assert "paralm.config" in graph["paralm.cli"] or any("paralm.config" in g for g in graph.values())
+
+
+def test_paralm_has_no_import_circle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_the_config_imports_nothing_from_parallel():
+    assert not {m for m in import_graph()["paralm.config"] if m.startswith("paralm.parallel")}
+
+
+if __name__ == "__main__":  # the figures of the closing note: circles, and what the trainer imports
+    graph = import_graph()
+    print("cycle:", find_cycle(graph))
+    print("trainer imports from paralm.parallel:", sorted(m for m in graph["paralm.train.trainer"] if ".parallel" in m))
