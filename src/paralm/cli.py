@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
 from paralm.errors import USER_ERROR_EXIT_CODE, UserError
-
-Verb = Callable[[argparse.Namespace, list[str]], int]
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -4,7 +4,12 @@ import pytest
 
 from paralm.errors import UserError
 from paralm.model import GPT, GPTConfig
-from paralm.parallel.split import balanced_split, even_split, part_costs, stage_costs, stage_split
+from paralm.parallel.split import balanced_split, part_costs, stage_costs, stage_split
+
+
+def even_split(n_layer: int, stages: int) -> list[int]:
+    """Equal layer counts, the remainder on the first stages: the split that ignores costs."""
+    return [n_layer // stages + (1 if i < n_layer % stages else 0) for i in range(stages)]
 
 
 def _spread(costs):

@@ -19,7 +19,6 @@ from paralm.errors import UserError
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 SHARD_TOKENS = 100_000_000
-SPLITS = ("train", "val")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -76,7 +76,7 @@ class Pipeline(nn.Module):
     def __init__(
         self,
         model: GPT,
-        runs: dict[int, nn.Module],
+        stage_modules: dict[int, nn.Module],
         stage_to_rank: dict[int, int],
         runtime: Runtime,
         config: Config,
@@ -84,7 +84,8 @@ class Pipeline(nn.Module):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
-        self.runs, self.stage_to_rank, self.num_stages = runs, stage_to_rank, len(stage_to_rank)
+        self.stage_modules, self.stage_to_rank = stage_modules, stage_to_rank
+        self.num_stages = len(stage_to_rank)
         self.tp, self.sequence_parallel = runtime.dims.tp, config.parallel.sequence_parallel
         self.d_model = config.model.d_model
         pp_mesh = runtime.mesh["pp"]
@@ -92,11 +93,12 @@ class Pipeline(nn.Module):
         self.microbatches = pipeline_microbatches(config)
         self._loss_divisor = self.microbatches
         last = self.num_stages - 1
-        self.has_first, self.has_last = 0 in runs, last in runs
+        self.has_first, self.has_last = 0 in stage_modules, last in stage_modules
         self.tied_modules = ([self.wte] if self.has_first else []) + ([self.lm_head] if self.has_last else [])
         self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last])
         self.stages = [
-            PipelineStage(run, s, self.num_stages, runtime.device, group=self.pp_group) for s, run in runs.items()
+            PipelineStage(module, s, self.num_stages, runtime.device, group=self.pp_group)
+            for s, module in stage_modules.items()
         ]
         self.schedule = _build_schedule(config.parallel.pp_schedule, self.stages, self.microbatches, self._loss)
 
@@ -138,16 +140,16 @@ class Pipeline(nn.Module):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch, passed through the stages in order; None off the last stage."""
         hidden = x
-        for s, run in sorted(self.runs.items()):
-            if s > 0 and s - 1 not in self.runs:
+        for s, module in sorted(self.stage_modules.items()):
+            if s > 0 and s - 1 not in self.stage_modules:
                 seq = x.shape[1] // self.tp if self.sequence_parallel else x.shape[1]
                 hidden = torch.empty(x.shape[0], seq, self.d_model, device=x.device)
                 dist.recv(hidden, group=self.pp_group, group_src=self.stage_to_rank[s - 1])
             with loss_context(self.tp):
-                hidden = run(hidden)
+                hidden = module(hidden)
                 if s == self.num_stages - 1:
                     return local_value(cross_entropy_loss(hidden, y))
-            if s + 1 not in self.runs:
+            if s + 1 not in self.stage_modules:
                 dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.stage_to_rank[s + 1])
         return None
 
@@ -211,8 +213,8 @@ def build_pipeline(model: GPT, runtime: Runtime, config: Config, parallelize_sta
         if ranks[s] == pp_rank
     }
     _prune(model, list(stages.values()))
-    runs = {s: parallelize_stage(stage) for s, stage in stages.items()}
-    return Pipeline(model, runs, ranks, runtime, config)
+    stage_modules = {s: parallelize_stage(stage) for s, stage in stages.items()}
+    return Pipeline(model, stage_modules, ranks, runtime, config)
 
 
 def _prune(model: GPT, stages: list[_Stage]) -> None:

@@ -70,11 +70,6 @@ def stage_costs(layers: list[int] | tuple[int, ...], costs: PartCosts) -> tuple[
     )
 
 
-def even_split(n_layer: int, stages: int) -> list[int]:
-    """Equal layer counts, the remainder on the first stages: the split that ignores costs."""
-    return [n_layer // stages + (1 if i < n_layer % stages else 0) for i in range(stages)]
-
-
 def balanced_split(n_layer: int, stages: int, costs: PartCosts) -> list[int]:
     """Contiguous layer counts (each at least 1) that minimise the most expensive stage and, among
     those, spread the rest as evenly as they can (least sum of squared stage costs).

@@ -1,12 +1,12 @@
-"""A parameter server's loop: answer pulls with its run of the parameters, apply pushed gradients.
+"""A parameter server's loop: answer pulls with its slice of the parameters, apply pushed gradients.
 
 Synchronous (`sync.ps_async = false`): a step waits for every worker's gradient; the servers average
 them as DDP's all-reduce does (divide by the workers, sum in rank order), clip by the norm of the
-whole averaged gradient (servers add up their squared run norms) and step: the same training as
+whole averaged gradient (servers add up their squared slice norms) and step: the same training as
 all-reduce data parallelism over the workers.
 
 Asynchronous: the lead server takes messages in arrival order and forwards that order to the other
-servers, so every run sees the same sequence of updates. A gradient computed on parameters `s`
+servers, so every slice sees the same sequence of updates. A gradient computed on parameters `s`
 updates old (its staleness) is applied as soon as it arrives if s <= `sync.max_staleness`; otherwise
 it is dropped, its batch is queued for the next pull, and the worker that fell that far behind
 restarts from fresh parameters: it waits, the others never do. A step is one update, of one worker's

@@ -1,8 +1,8 @@
-"""What one parameter server holds: its run of the parameters and their optimizer state.
+"""What one parameter server holds: its slice of the parameters and their optimizer state.
 
-The parameters are cut, in model order, into runs of about equal size; server s owns run s, holds
+The parameters are cut, in model order, into slices of about equal size; server s owns slice s, holds
 optimizer state for it alone and is the only one to step it. The lead server also keeps a copy of
-the others' runs, refreshed at checkpoints, and writes an ordinary checkpoint that any mode loads.
+the others' slices, refreshed at checkpoints, and writes an ordinary checkpoint that any mode loads.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ class ServerShard:
     def __init__(self, config: Config, runtime: Runtime, peers: CommStats, solo: dist.ProcessGroup) -> None:
         self.config, self.runtime, self.peers, self.solo = config, runtime, peers, solo
         self.lead, self.servers, self.device = runtime.rank == LEAD, runtime.servers, runtime.device
-        self.model = GPT(config.model).to(runtime.device)  # the whole structure; only the owned run is stepped
+        self.model = GPT(config.model).to(runtime.device)  # the whole structure; only the owned slice is stepped
         self.params = list(self.model.parameters())
         self.bounds = shard_bounds([p.numel() for p in self.params], self.servers)
         mine = self.bounds[runtime.rank]
         self.owned = self.params[mine.start : mine.stop]
         self.optimizer = build_optimizer(self.model, config.train)  # it keeps state only for what it steps
-        if not self.lead:  # which is only the owned run: drop the rest (the lead keeps it, to write checkpoints)
+        if not self.lead:  # which is only the owned slice: drop the rest (the lead keeps it, to write checkpoints)
             for p in self.params[: mine.start] + self.params[mine.stop :]:
                 p.data = p.data.new_empty(0)
         self.version = self.samples_seen = 0
@@ -50,7 +50,7 @@ class ServerShard:
         if self.lead:
             self._restore()
             for server in range(1, self.servers):
-                state = {"version": self.version, "samples_seen": self.samples_seen, "optim": self._run_state(server)}
+                state = {"version": self.version, "samples_seen": self.samples_seen, "optim": self._slice_state(server)}
                 self.peers.send_object(state, server, Tag.STATE)
         else:
             state = self.peers.recv_object(LEAD, Tag.STATE)
@@ -68,8 +68,8 @@ class ServerShard:
         state = load_checkpoint(path, self._checkpoint_state(), self.solo)
         self.version, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 
-    def _run_state(self, server: int) -> dict[int, dict[str, Any]]:
-        """Optimizer state of server `server`'s run, by parameter index."""
+    def _slice_state(self, server: int) -> dict[int, dict[str, Any]]:
+        """Optimizer state of server `server`'s slice, by parameter index."""
         return {
             i: self.optimizer.state[self.params[i]]
             for i in self.bounds[server]
@@ -82,11 +82,11 @@ class ServerShard:
 
     @torch.no_grad()
     def checkpoint(self) -> str | None:
-        """Collective over the servers: the others send their runs to the lead, which writes them all
+        """Collective over the servers: the others send their slices to the lead, which writes them all
         and returns where."""
         if not self.lead:
-            run = {i: self.params[i].detach() for i in self.bounds[self.runtime.rank]}
-            self.peers.send_object({"params": run, "optim": self._run_state(self.runtime.rank)}, LEAD, Tag.STATE)
+            mine = {i: self.params[i].detach() for i in self.bounds[self.runtime.rank]}
+            self.peers.send_object({"params": mine, "optim": self._slice_state(self.runtime.rank)}, LEAD, Tag.STATE)
             self.peers.take_step()
             return None
         for server in range(1, self.servers):
@@ -108,7 +108,7 @@ class ServerShard:
         return str(path)
 
     def step(self, grads: torch.Tensor, clip: float, update_batch: int) -> float:
-        """One optimizer step of the owned run; with `clip`, by the norm over every server's run."""
+        """One optimizer step of the owned slice; with `clip`, by the norm over every server's slice."""
         for p, grad in zip(self.owned, unflatten(grads, self.owned), strict=True):
             p.grad = grad
         norm = 0.0

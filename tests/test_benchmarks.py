@@ -1,0 +1,39 @@
+"""Every benchmark script still runs: each for the fewest steps it accepts, on the tiniest settings
+it offers, checking only that it finishes and prints its table (figures are not asserted)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+# The scripts skip their first 2 steps as warm-up, so 3 steps is one measured step.
+ARGS = {
+    "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],
+    "planner_validation.py": ["--steps", "3", "--runs", "tiny-1"],
+    "sync_modes.py": ["--replicas", "2", "--d-model", "32", "--layers", "1", "--steps", "3", "--delay", "0"],
+    "tensor_parallel_comm.py": ["--tp", "2", "--batch", "1"],
+    "throughput.py": ["--steps", "3", "--models", "tiny"],
+    "zero_memory.py": ["--steps", "3"],
+}
+
+
+def test_every_benchmark_script_is_covered():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py") if p.name != "common.py"}
+    assert scripts == set(ARGS)
+
+
+@pytest.mark.parametrize("script", sorted(ARGS))
+def test_benchmark_runs_one_step(script, tmp_path):
+    args = ARGS[script] + (["--out", str(tmp_path / "out")] if script == "sync_modes.py" else [])
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "|" in result.stdout  # a printed table
