@@ -8,6 +8,7 @@ import it at run time, so the config can apply the rules without an import circl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,24 +32,23 @@ def validate(config: Config) -> None:
         "train.grad_accum": t.grad_accum,
         "train.eval_samples": t.eval_samples,
     }
-    for name, value in positive.items():
-        if value < 1:
-            raise UserError(f"{name} = {value} must be at least 1")
-    nonnegative = {
-        "train.steps": t.steps,
-        "train.warmup_steps": t.warmup_steps,
-        "train.decay_steps": t.decay_steps,
-        "train.eval_every": t.eval_every,
-        "train.global_batch_size": t.global_batch_size,
-        "checkpoint.every": config.checkpoint.every,
-        "checkpoint.keep": config.checkpoint.keep,
-        "train.grad_clip": t.grad_clip,
-        "train.lr": t.lr,
-        "train.min_lr": t.min_lr,
-    }
-    for name, value in nonnegative.items():
-        if value < 0:
-            raise UserError(f"{name} = {value} must not be negative")
+    _each(positive, lambda value: value >= 1, "must be at least 1")
+    _each(
+        {
+            "train.steps": t.steps,
+            "train.warmup_steps": t.warmup_steps,
+            "train.decay_steps": t.decay_steps,
+            "train.eval_every": t.eval_every,
+            "train.global_batch_size": t.global_batch_size,
+            "checkpoint.every": config.checkpoint.every,
+            "checkpoint.keep": config.checkpoint.keep,
+            "train.grad_clip": t.grad_clip,
+            "train.lr": t.lr,
+            "train.min_lr": t.min_lr,
+        },
+        lambda value: value >= 0,
+        "must not be negative",
+    )
     if m.d_model % m.n_head:
         raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
     if not 0 <= m.dropout < 1:
@@ -62,6 +62,12 @@ def validate(config: Config) -> None:
         raise UserError(f"parallel.dp = {config.parallel.dp} must be a positive degree or -1 (all ranks)")
     check_model_parallel(config)
     check_sharding(config)
+
+
+def _each(values: dict[str, float], holds: Callable[[float], bool], requirement: str) -> None:
+    for name, value in values.items():
+        if not holds(value):
+            raise UserError(f"{name} = {value} {requirement}")
 
 
 def validate_sync(config: Config) -> None:

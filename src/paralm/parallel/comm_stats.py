@@ -85,10 +85,10 @@ class CommStats:
         self.step_sent = self.step_received = 0
         return counts
 
-    def summarise(self, world_size: int, steps: int, run_dir: Path | None) -> str | None:
-        """Gather every rank's totals (collective over all ranks); the rank given `run_dir` writes
-        `comm.json` there and gets a one-line summary. `steps`: the steps this process ran."""
-        mine = torch.tensor([self.sent, self.received], dtype=torch.float64)
+    def summarise(self, world_size: int, steps: int, run_dir: Path | None, device: torch.device) -> str | None:
+        """Gather every rank's totals (collective over all ranks, on this rank's `device`); the rank given
+        `run_dir` writes `comm.json` there and gets a one-line summary. `steps`: the steps this process ran."""
+        mine = torch.tensor([self.sent, self.received], dtype=torch.float64, device=device)
         table = [torch.zeros_like(mine) for _ in range(world_size)]
         if world_size > 1:
             dist.all_gather(table, mine)

@@ -53,7 +53,8 @@ class Server:
         self.runtime.comm.sent += self.peers.sent
         self.runtime.comm.received += self.peers.received
         steps = self.shard.version - self.first_version
-        line = self.runtime.comm.summarise(self.runtime.world_size, steps, self.log.run_dir if self.log else None)
+        run_dir = self.log.run_dir if self.log else None
+        line = self.runtime.comm.summarise(self.runtime.world_size, steps, run_dir, self.runtime.device)
         if self.log:
             self.log.close(line)
 

@@ -34,7 +34,8 @@ class Worker:
 
     def work(self) -> None:
         self._work()
-        self.runtime.comm.summarise(self.runtime.world_size, 0, None)  # collective: the lead server writes it
+        # collective: the lead server writes it
+        self.runtime.comm.summarise(self.runtime.world_size, 0, None, self.runtime.device)
 
     def _work(self) -> None:
         if self.first:  # the servers start from this worker's parameters (initialised, or restored by the Trainer)

@@ -117,7 +117,7 @@ class Trainer:
             if last or (ckpt.every and self.step % ckpt.every == 0):
                 self.save()
         run_dir = self.run_dir if self.logger else None
-        comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir)
+        comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir, self.device)
         if self.logger:
             self.logger.message(comm)
             self.logger.close()
