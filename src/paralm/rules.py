@@ -314,3 +314,14 @@ def check_vocab_size(config: Config, tokenizer_vocab: int, data_dir: Path) -> No
             f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer_vocab} ({data_dir}): set model.vocab_size >= {tokenizer_vocab}"
         )
+
+
+def check_parameter_server(config: Config, device_type: str) -> None:
+    if config.sync.ps_async and device_type != "cpu":
+        raise UserError("sync.ps_async = true receives from whichever worker is first, which needs gloo: use CPUs")
+
+
+def check_server_count(servers: int, tensors: int) -> None:
+    """Each parameter server owns at least one whole parameter tensor."""
+    if tensors < servers:
+        raise UserError(f"sync.ps_servers = {servers} exceeds the model's {tensors} parameter tensors")

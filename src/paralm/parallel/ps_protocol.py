@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paralm.errors import UserError
 from paralm.parallel.comm_stats import CommStats
+from paralm.rules import check_server_count
 
 LEAD = 0  # the server that orders asynchronous updates, writes metrics and checkpoints
 
@@ -107,8 +107,7 @@ class Endpoint:
 
 def shard_bounds(sizes: list[int], servers: int) -> list[range]:
     """Contiguous runs of parameter indices, one per server, of about equal total size."""
-    if len(sizes) < servers:
-        raise UserError(f"sync.ps_servers = {servers} exceeds the model's {len(sizes)} parameter tensors")
+    check_server_count(servers, len(sizes))
     total, bounds, running = sum(sizes), [0], 0
     for i, size in enumerate(sizes[:-1]):
         running += size

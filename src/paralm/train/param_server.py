@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from paralm.config import Config
 from paralm.data.prepare import dataset_dir
-from paralm.errors import UserError
 from paralm.parallel.ps_protocol import LEAD
 from paralm.parallel.runtime import Runtime
+from paralm.rules import check_parameter_server
 from paralm.train.ps_server import Server
 from paralm.train.ps_worker import Worker
 
@@ -33,8 +33,7 @@ if TYPE_CHECKING:
 
 def run_parameter_server(config: Config, runtime: Runtime, trainer: Callable[[Config, Runtime], Trainer]) -> None:
     """Every rank of a parameter-server job: servers serve, workers compute with `trainer(config, runtime)`."""
-    if config.sync.ps_async and runtime.device.type != "cpu":
-        raise UserError("sync.ps_async = true receives from whichever worker is first, which needs gloo: use CPUs")
+    check_parameter_server(config, runtime.device.type)
     if runtime.local_rank == 0:  # a server here, which builds no Trainer: it prepares the data for the workers'
         dataset_dir(config.data)
     solo = dist.new_group([LEAD])  # the lead server writes checkpoints alone; every rank takes part in creating it
