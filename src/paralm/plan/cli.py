@@ -63,19 +63,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.plan.cluster import parse_cluster
     from paralm.plan.report import plans_table, summary
-    from paralm.plan.search import fixed_fields, search
+    from paralm.plan.request import load_request
+    from paralm.plan.search import search
 
     if args.top < 0:
         raise UserError(f"--top {args.top} must not be negative")
-    config = load_config(args.config, overrides)
+    config, fixed = load_request(args.config, overrides)
     cluster = parse_cluster(args.cluster)
     work, plans = search(
         config,
         cluster,
-        fixed_fields(config, overrides),
+        fixed,
         recipe=args.recipe,
         overlap=not args.no_overlap,
     )
@@ -89,7 +89,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print()
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
-    print(f"{len(plans)} layouts fit; the fastest {len(shown)}:")
+    print(f"{len(plans)} layouts fit (of each, the largest micro-batch that fits); the fastest {len(shown)}:")
     print(plans_table(shown))
     if args.write_config:
         print(f"wrote the best layout to {args.write_config}")
@@ -97,9 +97,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.plan.cluster import parse_cluster
-    from paralm.plan.search import fixed_fields
+    from paralm.plan.request import load_request
     from paralm.plan.simulate import plot, scaling_table, simulate
 
     try:
@@ -108,7 +107,7 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"--devices {args.devices!r}: expected comma-separated integers, e.g. 8,64,512") from None
     if not sizes or sizes[0] < 1:
         raise UserError("--devices needs at least one positive cluster size")
-    config = load_config(args.config, overrides)
+    config, fixed = load_request(args.config, overrides)
     cluster = parse_cluster(args.cluster)
     modes = ("strong", "weak") if args.scaling == "both" else (args.scaling,)
     results = {
@@ -116,7 +115,7 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
             config,
             cluster,
             sizes,
-            fixed_fields(config, overrides),
+            fixed,
             mode,
             recipe=args.recipe,
             overlap=not args.no_overlap,
