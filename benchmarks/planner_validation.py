@@ -66,8 +66,8 @@ FIXED = ["--parallel.tp=1", "--parallel.pp=1", "--parallel.zero=0", "--train.act
 def calibrate(nproc: int, folder: Path, reuse: bool) -> Path:
     path = folder / f"cluster-{nproc}.toml"
     if not (reuse and path.exists()):
-        subprocess.run([sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(nproc),
-                        *TINY], check=True, capture_output=True, text=True)
+        subprocess.run([sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(nproc)],
+                       check=True, capture_output=True, text=True)
     return path
 
 

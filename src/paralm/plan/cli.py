@@ -44,7 +44,6 @@ def add_plan_verbs(verbs: argparse._SubParsersAction) -> None:
         "calibrate", help="measure this machine (matmul peak, memory, all-reduce) into a cluster file"
     )
     calibrate.add_argument("--out", required=True, help="TOML file to write")
-    calibrate.add_argument("--config", help="model whose training step calibrates the efficiency (default: tiny)")
     calibrate.add_argument("--devices", type=int, default=2, help="local workers that share this machine")
     calibrate.set_defaults(func=_calibrate)
 
@@ -139,14 +138,13 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.plan.calibrate import calibrate
 
+    if overrides:
+        raise UserError(f"`paralm calibrate` measures the machine, not a model: drop {' '.join(overrides)}")
     if args.devices < 1:
         raise UserError(f"--devices {args.devices}: at least one")
-    cluster = calibrate(
-        load_config(args.config, overrides), args.devices, log=lambda line: print(line, file=sys.stderr)
-    )
+    cluster = calibrate(args.devices, log=lambda line: print(line, file=sys.stderr))
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(cluster.to_toml())
