@@ -36,11 +36,14 @@ def test_plan_json_carries_the_layout_memory_and_time(capsys) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and set(rows[0]) >= JSON_FIELDS
     assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"] >= rows[2]["tokens_per_s"]
-    assert main([*args, "--parallel.zero=2", "--train.global_batch_size=256", "--json"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)  # one layout: the largest micro-batch that fits
-    states = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
     psi = ModelShape.from_config(load_config(None, MODEL_7B).model).params
-    assert row["zero"] == 2 and states == pytest.approx((2 + 14 / 64) * psi)  # 16-bit parameters and gradients
+    # ZeRO-2 as paralm stores it (FSDP2, reshard_after_forward=False): bf16 parameters gathered through
+    # backward and, sharded, fp32 master, gradients and Adam's two slots; the paper's recipe: 2 + 14/N.
+    for recipe, per_param in (("fp32-master", 2 + 16 / 64), ("paper", 2 + 14 / 64)):
+        assert main([*args, "--parallel.zero=2", "--train.global_batch_size=64", "--recipe", recipe, "--json"]) == 0
+        (row,) = json.loads(capsys.readouterr().out)  # one layout: the largest micro-batch that fits
+        states = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
+        assert row["zero"] == 2 and row["grad_accum"] == 1 and states == pytest.approx(per_param * psi)
 
 
 def test_plan_table_and_write_config(capsys, tmp_path) -> None:

@@ -60,7 +60,7 @@ def test_plans_are_ranked_by_throughput_and_all_fit() -> None:
         p.layout.devices == 64 and p.layout.dp * p.layout.micro_batch_size * p.layout.grad_accum == 64 for p in plans
     )
     best = plans[0]
-    work = Workload.from_config(config, 64, "paper")
+    work = Workload.from_config(config, 64, "fp32-master")
     assert evaluate(best.layout, work, cluster).tokens_per_s == best.tokens_per_s
 
 

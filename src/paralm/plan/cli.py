@@ -54,9 +54,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recipe",
         choices=RECIPES,
-        default="paper",
-        help="model-state bytes under bf16/fp16: paper (ZeRO: 16-bit params and grads + fp32 master), "
-        "fp32-grads (Megatron), fp32-master (autocast/FSDP2, as paralm trains); fp32 is the same for all",
+        default="fp32-master",
+        help="model-state bytes under bf16/fp16: fp32-master (default: autocast/FSDP2, as paralm stores "
+        "them), paper (ZeRO: 16-bit params and grads + fp32 master), fp32-grads (Megatron); fp32 is the same for all",
     )
     parser.add_argument("--no-overlap", action="store_true", help="assume no communication hides behind compute")
 

@@ -107,10 +107,11 @@ def _neutral_overrides(overrides: list[str], given: set[str]) -> list[str]:
         values["parallel.pp_microbatches"] = microbatches
     if "train.micro_batch_size" not in given:
         values["train.micro_batch_size"] = microbatches
-    return [f"--{key}={_override_value(value)}" for key, value in values.items()]
+    return [f"--{key}={override_value(value)}" for key, value in values.items()]
 
 
-def _override_value(value: Any) -> str:
+def override_value(value: Any) -> str:
+    """`value` as a `--section.field=VALUE` override spells it."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):

@@ -72,7 +72,7 @@ def search(
     cluster: Cluster,
     fixed: dict[str, Any],
     *,
-    recipe: str = "paper",
+    recipe: str = "fp32-master",
     overlap: bool = True,
     global_batch_size: int | None = None,
 ) -> tuple[Workload, list[Plan]]:

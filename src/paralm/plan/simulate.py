@@ -36,7 +36,7 @@ def simulate(
     fixed: dict[str, Any],
     scaling: str,
     *,
-    recipe: str = "paper",
+    recipe: str = "fp32-master",
     overlap: bool = True,
 ) -> list[Point]:
     base = global_batch(config, sizes[0])

@@ -7,6 +7,9 @@ Stated assumptions:
   blocks run their forward again;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path;
+- ZeRO as paralm implements it (`Workload.zero1_reduce_scatter`, `sharded_accumulation` price the
+  paper's): ZeRO-1 all-reduces gradients and broadcasts the updated shards, ZeRO-2/3 reduce
+  gradients once per step, after the last micro-step;
 - data-parallel gradient reduction overlaps the backward of the last pipeline micro-batch (DDP's
   bucketed all-reduce; its last bucket is never hidden); ZeRO-3's parameter all-gathers are prefetched
   behind forward and backward except the first block's; ZeRO-1/2's all-gather of updated parameters
@@ -156,18 +159,20 @@ def _data_parallel(
     if layout.zero in (1, 2):
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
         gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
-        # ZeRO-2 keeps only its gradient shard, so it reduces after every micro-step (paper sec. 5.2).
-        reductions = layout.grad_accum if layout.zero == 2 else 1
+        if layout.zero == 1 and not work.zero1_reduce_scatter:  # DDP's all-reduce, then the broadcasts
+            reduce = _gradient_all_reduce(work, params, dp_n, dp_link)
+        # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
+        reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1
         return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather
     gather = comm.all_gather(params * work.element_bytes, shard_n, shard_link)
     first_block = comm.all_gather(work.shape.layer_params / layout.tp * work.element_bytes, shard_n, shard_link)
-    if layout.pp == 1:  # gather for forward, again for backward, reduce-scatter: 1.5x DDP's volume
-        per_micro_step = 2 * gather + reduce
-        hidden = first_block + exposed(gather, forward) + exposed(gather + reduce, backward)
-    else:  # parameters stay gathered through the micro-step's pipeline micro-batches
-        per_micro_step = gather + reduce
-        hidden = first_block + exposed(gather, forward) + exposed(reduce, backward)
-    return layout.grad_accum * per_micro_step, layout.grad_accum * (hidden if overlap else per_micro_step)
+    # Gather for forward, again for backward (with a pipeline parameters stay gathered through the
+    # micro-step's pipeline micro-batches); reduce-scatter once per step unless accumulation is sharded.
+    gathers = 2 if layout.pp == 1 else 1
+    reductions = layout.grad_accum if work.sharded_accumulation else 1
+    total = layout.grad_accum * gathers * gather + reductions * reduce
+    hidden = layout.grad_accum * (first_block + exposed(gather, forward) + (gathers - 1) * exposed(gather, backward))
+    return total, (hidden + reductions * exposed(reduce, backward)) if overlap else total
 
 
 def _gradient_all_reduce(work: Workload, params: float, n: int, link: Link) -> float:
