@@ -57,6 +57,32 @@ def test_elementwise_work_is_memory_bound_and_kernels_have_a_floor() -> None:
     assert block.elementwise == pytest.approx(kernels.ELEMENTWISE_KERNELS)
 
 
+def test_zero1_is_priced_as_paralm_runs_it_and_the_papers_by_one_flag() -> None:
+    """paralm's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces like DDP, then broadcasts the updated
+    shards (an all-gather's traffic); the paper's reduce-scatters instead of all-reducing. fp32
+    parameters and gradients, as paralm keeps them."""
+    lay, work = _layout(dp_shard=64, micro_batch_size=1, zero=1), dataclasses.replace(_work(), recipe="fp32-master")
+    ddp = step_time(_layout(dp_shard=64, micro_batch_size=1), work, NO_LATENCY, overlap=False).dp_comm_s
+    paralm = step_time(lay, work, NO_LATENCY, overlap=False).dp_comm_s
+    paper = step_time(lay, dataclasses.replace(work, zero1_reduce_scatter=True), NO_LATENCY, overlap=False).dp_comm_s
+    assert paralm == pytest.approx(1.5 * ddp) and paper == pytest.approx(ddp)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_accumulation_reduces_once_unless_sharded(zero: int) -> None:
+    """FSDP2 with sync off until the last micro-step reduces once per step; DeepSpeed-style sharded
+    accumulation reduce-scatters after every micro-step."""
+    work = _work(reduce_dtype="bf16")
+    one, four = (_layout(dp_shard=64, micro_batch_size=16, grad_accum=a, zero=zero) for a in (1, 4))
+    base = step_time(one, work, NO_LATENCY, overlap=False).dp_comm_s
+    once = step_time(four, work, NO_LATENCY, overlap=False).dp_comm_s
+    every = step_time(four, dataclasses.replace(work, sharded_accumulation=True), NO_LATENCY, overlap=False).dp_comm_s
+    reduce = base / 3 if zero == 3 else base / 2  # ZeRO-3: 2 gathers + 1 reduce-scatter; ZeRO-2: 1 + 1
+    gathers = base - reduce
+    assert once == pytest.approx((4 if zero == 3 else 1) * gathers + reduce)
+    assert every == pytest.approx(once + 3 * reduce)
+
+
 def test_zero3_moves_one_and_a_half_times_ddp() -> None:
     """Rajbhandari et al. sec. 7: ZeRO-3 all-gathers twice and reduce-scatters once, 3 Psi against 2 Psi."""
     work = _work(reduce_dtype="bf16")

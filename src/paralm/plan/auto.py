@@ -15,6 +15,7 @@ import os
 import platform
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,7 +106,7 @@ def why(first: Plan, second: Plan) -> str:
 
 def local_cluster(devices: int, *, allow_calibration: bool) -> Cluster:
     """This machine calibrated for `devices` local processes, from the cache or measured now."""
-    path = cache_dir() / f"cluster-{_machine()}-{devices}.toml"
+    path = calibration_path(devices)
     if path.exists():
         return load_cluster(path)
     if not allow_calibration:
@@ -122,6 +123,11 @@ def local_cluster(devices: int, *, allow_calibration: bool) -> Cluster:
     tmp.write_text(cluster.to_toml())
     os.replace(tmp, path)
     return cluster
+
+
+def calibration_path(devices: int) -> Path:
+    """Where the calibration of this machine for `devices` local processes is cached."""
+    return cache_dir() / f"cluster-{_machine()}-{devices}.toml"
 
 
 def _machine() -> str:

@@ -61,10 +61,14 @@ def evaluate(
     return Plan(layout, memory or device_memory(layout, work, cluster), time, tokens_per_s, mfu)
 
 
-def global_batch(config: Config, devices: int) -> int:
-    """train.global_batch_size, or what plain data parallelism would run: micro-batch x accumulation x devices."""
+def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
+    """train.global_batch_size, or what the trainer derives from it: micro-batch x accumulation x the
+    data-parallel degree (the devices over the fixed tp and pp, or a fixed dp)."""
     t = config.train
-    return t.global_batch_size or t.micro_batch_size * t.grad_accum * devices
+    dp = fixed.get("parallel.dp", -1)
+    if dp < 1:
+        dp = max(1, devices // (fixed.get("parallel.tp", 1) * fixed.get("parallel.pp", 1)))
+    return t.global_batch_size or t.micro_batch_size * t.grad_accum * dp
 
 
 def search(
@@ -82,7 +86,7 @@ def search(
     workers = cluster.devices - ps_servers
     if workers < 1:
         raise UserError(f"sync.ps_servers = {ps_servers} leaves no workers among the {cluster.devices} devices")
-    batch = global_batch_size or global_batch(config, workers)
+    batch = global_batch_size or global_batch(config, workers, fixed)
     work = Workload.from_config(config, batch, recipe)
     _check_fixed(fixed, workers)
     rejected: Counter[str] = Counter()

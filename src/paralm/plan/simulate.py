@@ -39,7 +39,7 @@ def simulate(
     recipe: str = "fp32-master",
     overlap: bool = True,
 ) -> list[Point]:
-    base = global_batch(config, sizes[0])
+    base = global_batch(config, sizes[0], fixed)
     points = []
     for n in sizes:
         batch = base if scaling == "strong" else base * n // sizes[0]
