@@ -12,8 +12,9 @@ prediction includes the calibrated runtime allowance) and the fastest and median
 fastest is what calibration (also best-of-N) predicts: on a shared machine other processes slow the
 median by whatever they happen to run.
 
-Only strategies the trainer runs can be validated: add ZeRO, TP and PP rows to RUNS (e.g.
-`Run("tiny-zero1", 2, ["--parallel.zero=1"])`) as the trainer gains them.
+Rows cover DDP, ZeRO-1/2/3 (with accumulation), HSDP, TP, TP+SP, PP (two schedules), 3-D, the
+parameter server and local SGD on 1-8 CPU ranks. Measure on a quiet machine (check `uptime` before
+and during) and repeat rows that move.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ class Run:
     grad_accum: int = 1
 
     def overrides(self) -> list[str]:
-        return [*TINY, *self.args, f"--train.micro_batch_size={self.micro_batch_size}",
-                f"--train.grad_accum={self.grad_accum}"]
+        return [
+            *TINY,
+            *self.args,
+            f"--train.micro_batch_size={self.micro_batch_size}",
+            f"--train.grad_accum={self.grad_accum}",
+        ]
 
 
 WIDE = ("--model.n_layer=4", "--model.n_head=8", "--model.d_model=256", "--model.block_size=256")
@@ -57,33 +62,106 @@ RUNS = [
     Run("deep-1", 1, DEEP, micro_batch_size=8),
     Run("deep-bf16-1", 1, (*DEEP, "--precision.dtype=bf16"), micro_batch_size=8),
     Run("deep-ddp2", 2, DEEP, micro_batch_size=4),
+    # Every strategy, 2-8 CPU ranks (layout fields given here are priced as given).
+    Run("deep-zero1-2", 2, (*DEEP, "--parallel.zero=1"), micro_batch_size=4),
+    Run("deep-zero2-2", 2, (*DEEP, "--parallel.zero=2"), micro_batch_size=4),
+    Run("deep-zero3-4", 4, (*DEEP, "--parallel.zero=3"), micro_batch_size=2),
+    Run("deep-zero3-accum-2", 2, (*DEEP, "--parallel.zero=3"), micro_batch_size=2, grad_accum=2),
+    Run(
+        "deep-hsdp-4",
+        4,
+        (*DEEP, "--parallel.zero=3", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"),
+        micro_batch_size=2,
+    ),
+    Run("wide-tp2", 2, (*WIDE, "--parallel.tp=2"), micro_batch_size=8),
+    Run("wide-tp2-sp", 2, (*WIDE, "--parallel.tp=2", "--parallel.sequence_parallel=true"), micro_batch_size=8),
+    Run(
+        "deep-pp2-1f1b",
+        2,
+        (*DEEP, "--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--parallel.pp_microbatches=4"),
+        micro_batch_size=8,
+    ),
+    Run(
+        "deep-pp2-gpipe",
+        2,
+        (*DEEP, "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--parallel.pp_microbatches=4"),
+        micro_batch_size=8,
+    ),
+    Run(
+        "wide-3d-8",
+        8,
+        (*WIDE, "--parallel.pp=2", "--parallel.tp=2", "--parallel.pp_microbatches=2"),
+        micro_batch_size=4,
+    ),
+    Run("tiny-ps-3", 3, ("--sync.mode=parameter_server", "--sync.ps_servers=1"), micro_batch_size=8),
+    Run("tiny-localsgd-2", 2, ("--sync.mode=local_sgd", "--sync.local_steps=4"), micro_batch_size=8),
 ]
 STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
-# Every layout field, so the planner prices this run's layout and searches nothing.
-FIXED = ["--parallel.tp=1", "--parallel.pp=1", "--parallel.zero=0", "--train.activation_checkpointing=none"]
+# Every layout field a run does not give, so the planner prices this run's layout and searches nothing.
+FIXED = [
+    "--parallel.tp=1",
+    "--parallel.pp=1",
+    "--parallel.zero=0",
+    "--parallel.sequence_parallel=false",
+    "--parallel.pp_schedule=1f1b",
+    "--train.activation_checkpointing=none",
+]
+
+
+def fixed(run: Run) -> list[str]:
+    given = {arg.split("=")[0] for arg in run.args}
+    return [arg for arg in FIXED if arg.split("=")[0] not in given]
 
 
 def calibrate(nproc: int, folder: Path, reuse: bool) -> Path:
     path = folder / f"cluster-{nproc}.toml"
     if not (reuse and path.exists()):
-        subprocess.run([sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(nproc),
-                        *TINY], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(nproc)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     return path
 
 
 def train(run: Run, steps: int, threads: int, folder: Path) -> list[dict]:
     """metrics.jsonl rows of a fresh `paralm train` run, without its first two (warm-up) steps."""
     run_dir = folder / run.name
-    command = [sys.executable, "-m", "paralm", "train", *run.overrides(), f"--train.steps={steps}",
-               f"--run.dir={run_dir}", f"--nproc={run.nproc}", "--log.tensorboard=false", "--train.eval_every=0",
-               "--train.eval_samples=8", "--checkpoint.resume=none"]
+    command = [
+        sys.executable,
+        "-m",
+        "paralm",
+        "train",
+        *run.overrides(),
+        f"--train.steps={steps}",
+        f"--run.dir={run_dir}",
+        f"--nproc={run.nproc}",
+        "--log.tensorboard=false",
+        "--train.eval_every=0",
+        "--train.eval_samples=8",
+        "--checkpoint.resume=none",
+    ]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
 
 
 def predict(run: Run, cluster: Path) -> dict[str, float]:
-    command = [sys.executable, "-m", "paralm", "plan", *run.overrides(), *FIXED, f"--parallel.dp={run.nproc}",
-               "--cluster", str(cluster), "--recipe", "fp32-master", "--json", "--top", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "paralm",
+        "plan",
+        *run.overrides(),
+        *fixed(run),
+        "--cluster",
+        str(cluster),
+        "--recipe",
+        "fp32-master",
+        "--json",
+        "--top",
+        "1",
+    ]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out)[0]
 
@@ -106,15 +184,39 @@ def main() -> None:
             states = [sum(source[k] for k in STATE_KEYS) for source in (predicted, steps[-1])]
             peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in steps))
             times = sorted(row["step_time_s"] for row in steps)
-            rows.append([
-                run.name, str(run.nproc),
-                f"{states[0] / 2**20:.2f}", f"{states[1] / 2**20:.2f}", f"{states[0] / states[1]:.3f}",
-                f"{peak[0] / 2**20:.0f}", f"{peak[1] / 2**20:.0f}", f"{peak[0] / peak[1]:.2f}",
-                f"{1e3 * predicted['step_time_s']:.1f}", f"{1e3 * times[0]:.1f}", f"{1e3 * times[len(times) // 2]:.1f}",
-                f"{predicted['step_time_s'] / times[0]:.2f}",
-            ])
-    print_table(["run", "procs", "states MiB pred", "meas", "ratio", "peak MiB pred", "meas", "ratio",
-                 "step ms pred", "fastest", "median", "pred/fastest"], rows)
+            rows.append(
+                [
+                    run.name,
+                    str(run.nproc),
+                    f"{states[0] / 2**20:.2f}",
+                    f"{states[1] / 2**20:.2f}",
+                    f"{states[0] / states[1]:.3f}",
+                    f"{peak[0] / 2**20:.0f}",
+                    f"{peak[1] / 2**20:.0f}",
+                    f"{peak[0] / peak[1]:.2f}",
+                    f"{1e3 * predicted['step_time_s']:.1f}",
+                    f"{1e3 * times[0]:.1f}",
+                    f"{1e3 * times[len(times) // 2]:.1f}",
+                    f"{predicted['step_time_s'] / times[0]:.2f}",
+                ]
+            )
+    print_table(
+        [
+            "run",
+            "procs",
+            "states MiB pred",
+            "meas",
+            "ratio",
+            "peak MiB pred",
+            "meas",
+            "ratio",
+            "step ms pred",
+            "fastest",
+            "median",
+            "pred/fastest",
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -7,17 +7,19 @@ Verbs that take a config accept `--config FILE` and any `--section.field=value` 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from paralm.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.parallel.launch import launch_local_workers, running_under_launcher
+    from paralm.plan.auto import train_config
     from paralm.train.trainer import train
 
-    config = load_config(args.config, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
+    config, overrides = train_config(args.config, overrides, world_size)  # parallel.auto: the planner's layout
     if args.nproc > 1 and not running_under_launcher():
         from paralm.parallel.dims import ParallelDims
 

@@ -91,6 +91,7 @@ class ParallelConfig:
     pp_microbatches: int = option(0, "micro-batches per pipeline step; 0: pp")
     pp_virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved and V schedules)")
     pp_split: list[int] = option([], "layers per stage, overriding the balanced split")
+    auto: bool = option(False, "the planner picks the fastest layout that fits (command-line fields stay)")
 
 
 @dataclass

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from paralm.plan.cluster import PRESETS
@@ -91,3 +93,19 @@ def test_zero3_gathers_are_buffers_and_shrink_states() -> None:
     sharded = device_memory(_layout(dp_shard=8, zero=3), _work(SHAPE), PRESETS["h100"])
     assert sharded.param_bytes == pytest.approx(dense.param_bytes / 8)
     assert sharded.buffer_bytes > dense.buffer_bytes
+
+
+def test_fsdp_keeps_what_paralm_measures() -> None:
+    """ZeRO-2 on FSDP2 (reshard_after_forward=False) keeps the gathered compute-dtype parameters beside
+    the sharded fp32 master; accumulating with sync off keeps whole gradients (paralm.train.memory)."""
+    work = dataclasses.replace(_work(SHAPE), recipe="fp32-master")
+    params = SHAPE.params
+    zero2 = device_memory(_layout(dp_shard=8, zero=2), work, PRESETS["h100"])
+    assert zero2.param_bytes == pytest.approx(params * 2 + params * 4 / 8)
+    assert zero2.grad_bytes == pytest.approx(params * 4 / 8)
+    accumulating = device_memory(_layout(dp_shard=8, zero=3, grad_accum=4), work, PRESETS["h100"])
+    assert accumulating.grad_bytes == pytest.approx(params * 4)
+    sharded = dataclasses.replace(work, sharded_accumulation=True)
+    assert device_memory(_layout(dp_shard=8, zero=3, grad_accum=4), sharded, PRESETS["h100"]).grad_bytes == (
+        pytest.approx(params * 4 / 8)
+    )

@@ -5,20 +5,22 @@ from paralm.errors import UserError
 from paralm.parallel.dims import ParallelDims
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
-from paralm.plan.search import evaluate, fixed_fields, search
+from paralm.plan.request import load_request
+from paralm.plan.search import evaluate, search
 from tests.plan.helpers import MODEL_7B
 
 
 def _search(overrides: list[str], cluster: str = "h200:64"):
-    config = load_config(None, overrides)
-    return config, search(config, parse_cluster(cluster), fixed_fields(config, overrides))[1]
+    config, fixed = load_request(None, overrides)
+    return config, search(config, parse_cluster(cluster), fixed)[1]
 
 
 def test_fixed_fields_come_from_the_command_line_only(tmp_path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("[parallel]\ntp = 2\n[train]\nmicro_batch_size = 4\n")
-    config = load_config(path, ["--parallel.zero=3", "--model.n_layer=2"])
-    assert fixed_fields(config, ["--parallel.zero=3", "--model.n_layer=2"]) == {"parallel.zero": 3}
+    config, fixed = load_request(path, ["--parallel.zero=3", "--model.n_layer=2"])
+    assert fixed == {"parallel.zero": 3}
+    assert config.parallel.tp == 2 and config.train.micro_batch_size == 4  # the file's values, not fixed
 
 
 def test_fixed_fields_are_kept_and_the_rest_searched() -> None:
@@ -58,7 +60,7 @@ def test_plans_are_ranked_by_throughput_and_all_fit() -> None:
         p.layout.devices == 64 and p.layout.dp * p.layout.micro_batch_size * p.layout.grad_accum == 64 for p in plans
     )
     best = plans[0]
-    work = Workload.from_config(config, 64, "paper")
+    work = Workload.from_config(config, 64, "fp32-master")
     assert evaluate(best.layout, work, cluster).tokens_per_s == best.tokens_per_s
 
 

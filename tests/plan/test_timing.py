@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 
+from paralm.plan import kernels
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
 from paralm.plan.shape import ModelShape
@@ -18,20 +19,68 @@ def _work(batch: int = 64, reduce_dtype: str = "fp32") -> Workload:
     return Workload(SHAPE, batch, "bf16", reduce_dtype, 2, False, "paper", 25 * 2**20)
 
 
-def test_one_device_computes_model_flops_at_calibrated_speed() -> None:
-    time = step_time(_layout(), _work(), H100)
+IDEAL = dataclasses.replace(NO_LATENCY, gemm_efficiency=((1.0, 1.0),), kernel_latency=0.0, memory_bandwidth=1e30)
+
+
+def test_at_peak_compute_is_the_model_flops() -> None:
+    """With matmuls at peak and free memory traffic, the roofline is the FLOP count: 6N + 12Lds per token."""
+    time = step_time(_layout(), _work(), IDEAL)
     flops = SHAPE.flops_per_token * 64 * SHAPE.block_size
-    assert time.compute_s == pytest.approx(flops / (H100.peak("bf16") * H100.efficiency))
+    # 6N counts biases and norms as if they were matmul weights; they are elementwise work (free here).
+    vectors = SHAPE.n_layer * (SHAPE.layer_params - SHAPE.layer_matrix_params) + SHAPE.final_norm_params
+    assert time.compute_s == pytest.approx((flops - 6 * vectors * 64 * SHAPE.block_size) / IDEAL.peak("bf16"))
     assert time.recompute_s == time.bubble_s == time.tp_comm_s == time.dp_exposed_s == 0
-    assert time.total == pytest.approx(time.compute_s + time.optimizer_s)
 
 
 def test_full_recompute_repeats_the_block_forwards() -> None:
-    time = step_time(_layout(activation_checkpointing="full"), _work(), H100)
+    time = step_time(_layout(activation_checkpointing="full"), _work(), IDEAL)
     linear, attention = SHAPE.layer_forward_flops(64 * SHAPE.block_size)
-    assert time.recompute_s == pytest.approx(
-        SHAPE.n_layer * (linear + attention) / (H100.peak("bf16") * H100.efficiency)
-    )
+    assert time.recompute_s == pytest.approx(SHAPE.n_layer * (linear + attention) / IDEAL.peak("bf16"), rel=1e-3)
+
+
+def test_small_matmuls_and_small_shards_run_further_from_peak() -> None:
+    assert kernels.efficiency(H100, 64) < kernels.efficiency(H100, 1024) < kernels.efficiency(H100, 1e5)
+    per_flop = [
+        step_time(_layout(tp=t), _work(), FREE_LINKS).compute_s * t for t in (1, 8)
+    ]  # device-seconds of the same FLOPs
+    assert per_flop[1] > per_flop[0]
+
+
+def test_elementwise_work_is_memory_bound_and_kernels_have_a_floor() -> None:
+    slow_memory = dataclasses.replace(IDEAL, memory_bandwidth=1e9)
+    block = kernels.block_forward(slow_memory, "bf16", SHAPE, 1, 1, False, 2)
+    tokens = SHAPE.block_size
+    assert block.elementwise == pytest.approx(2 * tokens * SHAPE.d_model * 18 / 1e9)
+    floor = dataclasses.replace(IDEAL, kernel_latency=1.0)
+    block = kernels.block_forward(floor, "bf16", SHAPE, 1, 1, False, 2)
+    assert (block.linear, block.attention) == pytest.approx((6.0, 2.0), rel=1e-3)
+    assert block.elementwise == pytest.approx(kernels.ELEMENTWISE_KERNELS)
+
+
+def test_zero1_is_priced_as_paralm_runs_it_and_the_papers_by_one_flag() -> None:
+    """paralm's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces like DDP, then broadcasts the updated
+    shards (an all-gather's traffic); the paper's reduce-scatters instead of all-reducing. fp32
+    parameters and gradients, as paralm keeps them."""
+    lay, work = _layout(dp_shard=64, micro_batch_size=1, zero=1), dataclasses.replace(_work(), recipe="fp32-master")
+    ddp = step_time(_layout(dp_shard=64, micro_batch_size=1), work, NO_LATENCY, overlap=False).dp_comm_s
+    paralm = step_time(lay, work, NO_LATENCY, overlap=False).dp_comm_s
+    paper = step_time(lay, dataclasses.replace(work, zero1_reduce_scatter=True), NO_LATENCY, overlap=False).dp_comm_s
+    assert paralm == pytest.approx(1.5 * ddp) and paper == pytest.approx(ddp)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_accumulation_reduces_once_unless_sharded(zero: int) -> None:
+    """FSDP2 with sync off until the last micro-step reduces once per step; DeepSpeed-style sharded
+    accumulation reduce-scatters after every micro-step."""
+    work = _work(reduce_dtype="bf16")
+    one, four = (_layout(dp_shard=64, micro_batch_size=16, grad_accum=a, zero=zero) for a in (1, 4))
+    base = step_time(one, work, NO_LATENCY, overlap=False).dp_comm_s
+    once = step_time(four, work, NO_LATENCY, overlap=False).dp_comm_s
+    every = step_time(four, dataclasses.replace(work, sharded_accumulation=True), NO_LATENCY, overlap=False).dp_comm_s
+    reduce = base / 3 if zero == 3 else base / 2  # ZeRO-3: 2 gathers + 1 reduce-scatter; ZeRO-2: 1 + 1
+    gathers = base - reduce
+    assert once == pytest.approx((4 if zero == 3 else 1) * gathers + reduce)
+    assert every == pytest.approx(once + 3 * reduce)
 
 
 def test_zero3_moves_one_and_a_half_times_ddp() -> None:

@@ -4,8 +4,10 @@
 between them), and every figure is measured with all of them running at once, because that is
 what each one gets during training:
 - peak FLOP/s per dtype: the best large matmul (`hardware.measure_matmul_flops`);
-- efficiency: model FLOPs (6N + 12Lds) of a forward and backward of the config's GPT over its
-  time, divided by that peak: the fraction the cost model applies to every matmul;
+- the matmul efficiency curve: square matmuls of growing size in the training dtype (bf16 on CUDA,
+  fp32 on CPU), each as a fraction of that dtype's peak, made non-decreasing (a smaller size that ran
+  faster is noise: the cost model assumes larger matrices run no slower);
+- kernel latency: the fastest tiny elementwise kernel;
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
@@ -30,16 +32,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paralm.config import Config
 from paralm.plan.cluster import Cluster
-from paralm.plan.shape import ModelShape
 from paralm.plan.timing import optimizer_bytes_per_param
 
 MESSAGE_BYTES = (4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
+GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
 
 
-def calibrate(config: Config, devices: int, log: Callable[[str], None] = lambda line: None) -> Cluster:
+def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> Cluster:
     cuda = torch.cuda.is_available()
     workers = max(2, devices)
     threads = max(1, (os.cpu_count() or 1) // devices)
@@ -52,7 +54,7 @@ def calibrate(config: Config, devices: int, log: Callable[[str], None] = lambda 
         os.environ["MASTER_PORT"] = str(_free_port())
         # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
         mp.spawn(_communication_worker, args=(workers, tmp), nprocs=workers, join=True)
-        mp.spawn(_compute_worker, args=(devices, threads, config, tmp), nprocs=devices, join=True)
+        mp.spawn(_compute_worker, args=(devices, threads, tmp), nprocs=devices, join=True)
         measured = {
             **json.loads((Path(tmp) / "communication.json").read_text()),
             **json.loads((Path(tmp) / "compute.json").read_text()),
@@ -60,7 +62,7 @@ def calibrate(config: Config, devices: int, log: Callable[[str], None] = lambda 
     for key, value in measured.items():
         log(f"  {key}: {value:.4g}")
     name = torch.cuda.get_device_name(0) if cuda else f"cpu-{threads}-thread{'s' * (threads > 1)}"
-    model = config.model
+    sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
     return Cluster(
         name=name.replace(" ", "-").lower(),
         nodes=1,
@@ -72,10 +74,20 @@ def calibrate(config: Config, devices: int, log: Callable[[str], None] = lambda 
         inter_bandwidth=measured["allreduce_bandwidth"],
         inter_latency=measured["allreduce_latency"],
         memory_bandwidth=measured["memory_bandwidth"],
-        efficiency=min(1.0, measured["efficiency"]),
+        gemm_efficiency=_rising(sizes, [measured[f"gemm_{n}"] for n in sizes]),
+        kernel_latency=measured["kernel_latency"],
         runtime_bytes=measured["runtime_bytes"],
-        source=f"paralm calibrate, {date.today()}, torch {torch.__version__}, model {model.n_layer}x{model.d_model}",
+        source=f"paralm calibrate, {date.today()}, torch {torch.__version__}",
     )
+
+
+def _rising(sizes: tuple[int, ...], fractions: list[float]) -> tuple[tuple[float, float], ...]:
+    """(size, fraction) points with each fraction at least the one before, within (0, 1]."""
+    points, best = [], 0.0
+    for size, fraction in zip(sizes, fractions, strict=True):
+        best = min(1.0, max(best, fraction, 1e-3))
+        points.append((float(size), best))
+    return tuple(points)
 
 
 def _free_port() -> int:
@@ -98,7 +110,7 @@ def _communication_worker(rank: int, workers: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def _compute_worker(rank: int, devices: int, threads: int, config: Config, folder: str) -> None:
+def _compute_worker(rank: int, devices: int, threads: int, folder: str) -> None:
     """The devices measure at once, sharing the machine as in training; rank 0 reports."""
     import paralm.train.trainer  # noqa: F401 - what a training worker imports: the runtime allowance
 
@@ -106,7 +118,7 @@ def _compute_worker(rank: int, devices: int, threads: int, config: Config, folde
     device = torch.device("cuda", rank) if rank < torch.cuda.device_count() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    measured = {"runtime_bytes": _runtime_bytes(device), **_compute(device, config)}
+    measured = {"runtime_bytes": _runtime_bytes(device), **_compute(device)}
     if rank == 0:
         measured["memory_bytes"] = _memory_bytes(device, devices)
         (Path(folder) / "compute.json").write_text(json.dumps(measured))
@@ -148,28 +160,19 @@ def _all_reduce(device: torch.device, n: int) -> dict[str, float]:
     }
 
 
-def _compute(device: torch.device, config: Config) -> dict[str, float]:
+def _compute(device: torch.device) -> dict[str, float]:
     from paralm.hardware import measure_matmul_flops
-    from paralm.model import GPT, cross_entropy_loss
-    from paralm.train.precision import autocast
 
-    dtypes = ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
-    size = 8192 if device.type == "cuda" else 1024
-    measured = {f"peak_{d}": measure_matmul_flops(device, d, size=size) for d in dtypes}
-
-    torch.manual_seed(0)
-    model = GPT(config.model).to(device)
-    m, t = config.model, config.train
-    x = torch.randint(m.vocab_size, (t.micro_batch_size, m.block_size), device=device)
-
-    def forward_backward() -> None:
-        with autocast(device, config.precision.dtype):
-            loss = cross_entropy_loss(model(x), x)
-        loss.backward()
-
-    step = _timed(forward_backward, device, repeats=10)
-    flops = ModelShape.from_config(m).flops_per_token * x.numel()
-    measured["efficiency"] = flops / step / measured[f"peak_{config.precision.dtype}"]
+    cuda = device.type == "cuda"
+    dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
+    sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
+    measured = {f"peak_{d}": measure_matmul_flops(device, d, size=sizes[-1]) for d in dtypes}
+    dtype = "bf16" if cuda else "fp32"
+    for n in sizes:
+        seconds = 0.2 if n < sizes[-1] else 0.5
+        measured[f"gemm_{n}"] = measure_matmul_flops(device, dtype, size=n, seconds=seconds) / measured[f"peak_{dtype}"]
+    one = torch.ones(1, device=device)
+    measured["kernel_latency"] = _timed(lambda: one.add_(1.0), device, repeats=50)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:

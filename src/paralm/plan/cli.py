@@ -44,7 +44,6 @@ def add_plan_verbs(verbs: argparse._SubParsersAction) -> None:
         "calibrate", help="measure this machine (matmul peak, memory, all-reduce) into a cluster file"
     )
     calibrate.add_argument("--out", required=True, help="TOML file to write")
-    calibrate.add_argument("--config", help="model whose training step calibrates the efficiency (default: tiny)")
     calibrate.add_argument("--devices", type=int, default=2, help="local workers that share this machine")
     calibrate.set_defaults(func=_calibrate)
 
@@ -55,27 +54,27 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recipe",
         choices=RECIPES,
-        default="paper",
-        help="model-state bytes under bf16/fp16: paper (ZeRO: 16-bit params and grads + fp32 master), "
-        "fp32-grads (Megatron), fp32-master (autocast/FSDP2, as paralm trains); fp32 is the same for all",
+        default="fp32-master",
+        help="model-state bytes under bf16/fp16: fp32-master (default: autocast/FSDP2, as paralm stores "
+        "them), paper (ZeRO: 16-bit params and grads + fp32 master), fp32-grads (Megatron); fp32 is the same for all",
     )
     parser.add_argument("--no-overlap", action="store_true", help="assume no communication hides behind compute")
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.plan.cluster import parse_cluster
     from paralm.plan.report import plans_table, summary
-    from paralm.plan.search import fixed_fields, search
+    from paralm.plan.request import load_request
+    from paralm.plan.search import search
 
     if args.top < 0:
         raise UserError(f"--top {args.top} must not be negative")
-    config = load_config(args.config, overrides)
+    config, fixed = load_request(args.config, overrides)
     cluster = parse_cluster(args.cluster)
     work, plans = search(
         config,
         cluster,
-        fixed_fields(config, overrides),
+        fixed,
         recipe=args.recipe,
         overlap=not args.no_overlap,
     )
@@ -89,7 +88,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print()
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
-    print(f"{len(plans)} layouts fit; the fastest {len(shown)}:")
+    print(f"{len(plans)} layouts fit (of each, the largest micro-batch that fits); the fastest {len(shown)}:")
     print(plans_table(shown))
     if args.write_config:
         print(f"wrote the best layout to {args.write_config}")
@@ -97,9 +96,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.plan.cluster import parse_cluster
-    from paralm.plan.search import fixed_fields
+    from paralm.plan.request import load_request
     from paralm.plan.simulate import plot, scaling_table, simulate
 
     try:
@@ -108,7 +106,7 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"--devices {args.devices!r}: expected comma-separated integers, e.g. 8,64,512") from None
     if not sizes or sizes[0] < 1:
         raise UserError("--devices needs at least one positive cluster size")
-    config = load_config(args.config, overrides)
+    config, fixed = load_request(args.config, overrides)
     cluster = parse_cluster(args.cluster)
     modes = ("strong", "weak") if args.scaling == "both" else (args.scaling,)
     results = {
@@ -116,7 +114,7 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
             config,
             cluster,
             sizes,
-            fixed_fields(config, overrides),
+            fixed,
             mode,
             recipe=args.recipe,
             overlap=not args.no_overlap,
@@ -140,14 +138,13 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.config import load_config
     from paralm.plan.calibrate import calibrate
 
+    if overrides:
+        raise UserError(f"`paralm calibrate` measures the machine, not a model: drop {' '.join(overrides)}")
     if args.devices < 1:
         raise UserError(f"--devices {args.devices}: at least one")
-    cluster = calibrate(
-        load_config(args.config, overrides), args.devices, log=lambda line: print(line, file=sys.stderr)
-    )
+    cluster = calibrate(args.devices, log=lambda line: print(line, file=sys.stderr))
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(cluster.to_toml())

@@ -39,8 +39,10 @@ class Cluster:
     intra_latency: float  # seconds per ring step inside a node
     inter_bandwidth: float  # bytes/s per device per direction, between nodes
     inter_latency: float  # seconds per ring step between nodes
-    memory_bandwidth: float  # bytes/s of device memory: prices the (memory-bound) optimizer step
-    efficiency: float  # fraction of peak FLOP/s that training achieves (calibrated or cited)
+    memory_bandwidth: float  # bytes/s of device memory: prices memory-bound kernels and the optimizer step
+    # (geometric-mean matmul dimension, fraction of peak) points, ascending and non-decreasing: see `kernels`
+    gemm_efficiency: tuple[tuple[float, float], ...]
+    kernel_latency: float  # seconds a kernel takes however small: launch and synchronisation
     runtime_bytes: float  # per-device memory taken before any tensor: context, workspaces, margin
     source: str = field(default="", compare=False)  # where the figures come from
 
@@ -88,7 +90,9 @@ class Cluster:
         lines = ["[cluster]"]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "peak_flops":
+            if f.name == "gemm_efficiency":
+                lines.append(f"{f.name} = [{', '.join(f'[{size!r}, {eff!r}]' for size, eff in value)}]")
+            elif f.name != "peak_flops":
                 lines.append(f"{f.name} = {_toml(value)}")
         lines += ["", "[cluster.peak_flops]"]
         lines += [f"{dtype} = {flops!r}" for dtype, flops in self.peak_flops.items()]
@@ -102,7 +106,14 @@ def _toml(value: object) -> str:
 
 
 def _dgx(
-    name: str, chip: str, memory_gb: float, hbm_tbs: float, nvlink_gbs: float, ib_gbits: float, src: str
+    name: str,
+    chip: str,
+    memory_gb: float,
+    hbm_tbs: float,
+    nvlink_gbs: float,
+    ib_gbits: float,
+    gemm: tuple[tuple[float, float], ...],
+    src: str,
 ) -> Cluster:
     """An 8-GPU SXM node: NVLink within, one InfiniBand NIC per GPU between nodes."""
     return Cluster(
@@ -117,10 +128,10 @@ def _dgx(
         intra_latency=2e-6,
         inter_bandwidth=ib_gbits / 8 * GB,
         inter_latency=8e-6,
-        memory_bandwidth=hbm_tbs * 1e12,
-        # Narayanan et al. 2021 (Megatron-LM, SC'21), Table 1: GPT 1.7B-1T on A100 reach 44-52% of peak
-        # counting recompute FLOPs, which is what our compute time divides by.
-        efficiency=0.5,
+        # Sustained HBM bandwidth of large copies is about 90% of the datasheet's (an assumption).
+        memory_bandwidth=0.9 * hbm_tbs * 1e12,
+        gemm_efficiency=gemm,
+        kernel_latency=5e-6,  # launch + scheduling of one CUDA kernel, the usual few microseconds
         # CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL communicator buffers, and a margin for
         # allocator fragmentation: a stated allowance, not a measurement.
         runtime_bytes=2 * GiB,
@@ -128,15 +139,23 @@ def _dgx(
     )
 
 
+# Dense 16-bit matmul efficiency by size, (geometric-mean dimension, fraction of the datasheet peak).
+# ASSUMED, not yet taken from a published table: the shape of cuBLAS curves (NVIDIA, Matrix
+# Multiplication Background User's Guide, 2023: throughput rises with size until the GPU's waves of
+# 128 x 256 tiles are full), with the large-size plateau at what cuBLAS reaches on square bf16
+# GEMMs (A100 about 85% of 312 TFLOP/s, H100 SXM about 75% of 989). Replace with `paralm calibrate`.
+A100_GEMM = ((128, 0.07), (256, 0.26), (512, 0.48), (1024, 0.63), (2048, 0.7), (4096, 0.75))
+H100_GEMM = ((128, 0.03), (256, 0.12), (512, 0.33), (1024, 0.55), (2048, 0.68), (4096, 0.74), (8192, 0.76))
+
 # Datasheets: NVIDIA A100 Tensor Core GPU datasheet (40 GB: 1,555 GB/s HBM2; 80 GB: 2,039 GB/s HBM2e;
 # NVLink 600 GB/s), H100 datasheet (SXM: 80 GB, 3.35 TB/s, NVLink 900 GB/s), H200 datasheet
 # (SXM: 141 GB, 4.8 TB/s, NVLink 900 GB/s). Networks: DGX A100 has 8x 200 Gb/s HDR InfiniBand
 # (ConnectX-6), DGX H100/H200 8x 400 Gb/s NDR (ConnectX-7), one per GPU.
 PRESETS: dict[str, Cluster] = {
-    "a100-40gb": _dgx("a100-40gb", "A100", 40, 1.555, 600, 200, "A100 datasheet, DGX A100 (HDR 200 Gb/s)"),
-    "a100-80gb": _dgx("a100-80gb", "A100", 80, 2.039, 600, 200, "A100 datasheet, DGX A100 (HDR 200 Gb/s)"),
-    "h100": _dgx("h100", "H100", 80, 3.35, 900, 400, "H100 SXM datasheet, DGX H100 (NDR 400 Gb/s)"),
-    "h200": _dgx("h200", "H200", 141, 4.8, 900, 400, "H200 SXM datasheet, DGX H200 (NDR 400 Gb/s)"),
+    "a100-40gb": _dgx("a100-40gb", "A100", 40, 1.555, 600, 200, A100_GEMM, "A100 datasheet, DGX A100 (HDR 200 Gb/s)"),
+    "a100-80gb": _dgx("a100-80gb", "A100", 80, 2.039, 600, 200, A100_GEMM, "A100 datasheet, DGX A100 (HDR 200 Gb/s)"),
+    "h100": _dgx("h100", "H100", 80, 3.35, 900, 400, H100_GEMM, "H100 SXM datasheet, DGX H100 (NDR 400 Gb/s)"),
+    "h200": _dgx("h200", "H200", 141, 4.8, 900, 400, H100_GEMM, "H200 SXM datasheet, DGX H200 (NDR 400 Gb/s)"),
 }
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
 
@@ -177,9 +196,16 @@ def load_cluster(path: str | Path) -> Cluster:
         ]
         raise UserError(f"{path}: [cluster] fields {'; '.join(p for p in problems if p)}")
     try:
-        cluster = Cluster(**{**raw, "peak_flops": {k: float(v) for k, v in raw["peak_flops"].items()}})
+        peaks = {k: float(v) for k, v in raw["peak_flops"].items()}
+        curve = tuple((float(size), float(eff)) for size, eff in raw["gemm_efficiency"])
+        cluster = Cluster(**{**raw, "peak_flops": peaks, "gemm_efficiency": curve})
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{path}: [cluster] has a value of the wrong type: {e}") from None
-    if min(cluster.nodes, cluster.devices_per_node) < 1 or cluster.memory_bytes <= 0 or not 0 < cluster.efficiency <= 1:
-        raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive, efficiency in (0, 1]")
+    if min(cluster.nodes, cluster.devices_per_node) < 1 or cluster.memory_bytes <= 0:
+        raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
+    sizes, effs = [p[0] for p in curve], [p[1] for p in curve]
+    if not curve or sizes != sorted(set(sizes)) or effs != sorted(effs) or not 0 < effs[0] <= effs[-1] <= 1:
+        raise UserError(
+            f"{path}: gemm_efficiency must be [size, fraction] pairs, sizes ascending, fractions rising within (0, 1]"
+        )
     return cluster

@@ -36,6 +36,12 @@ class Workload:
     compression: str = "none"  # comm.compression of DDP's gradients: none | fp16 | bf16 | powersgd | topk
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
+    # How paralm implements ZeRO today; flip either to price the paper's algorithm instead:
+    # ZeRO-1 all-reduces gradients (DDP) then broadcasts the updated shards (ZeroRedundancyOptimizer)
+    # where the paper reduce-scatters; ZeRO-2/3 accumulate unsharded gradients with sync off until the
+    # last micro-step (FSDP2 `set_requires_gradient_sync`) where DeepSpeed reduce-scatters every one.
+    zero1_reduce_scatter: bool = False
+    sharded_accumulation: bool = False
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:

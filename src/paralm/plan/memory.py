@@ -144,6 +144,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     t, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
     params = rank_params(shape, layout, rank)
     states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
+    if layout.zero >= 2 and layout.dp_shard > 1:
+        states = _fsdp_states(states, params, layout, work)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
@@ -173,6 +175,20 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
         buffer_bytes(layout, work, params),
         cluster.runtime_bytes,
     )
+
+
+def _fsdp_states(states: ModelStates, params: float, layout: Layout, work: Workload) -> ModelStates:
+    """What FSDP2 holds beyond the paper's ZeRO-2/3 (see `paralm.train.memory`): with gradient
+    accumulation and sync off until the last micro-step, whole unsharded gradients; under ZeRO-2
+    (`reshard_after_forward=False`) as paralm stores states, the parameters gathered in the compute
+    dtype stay from forward to the end of backward beside the sharded fp32 master copy."""
+    grad = states.grad_bytes
+    if layout.grad_accum > 1 and not work.sharded_accumulation:
+        grad *= layout.dp_shard
+    param = states.param_bytes
+    if layout.zero == 2 and work.recipe == "fp32-master":
+        param = params * work.element_bytes + params * 4 / layout.dp_shard
+    return ModelStates(param, grad, states.optim_bytes)
 
 
 def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:

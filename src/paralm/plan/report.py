@@ -73,6 +73,7 @@ def plans_table(plans: Sequence[Plan]) -> str:
 
 def summary(work: Workload, cluster: Cluster, recipe: str, overlap: bool) -> str:
     shape = work.shape
+    small, large = cluster.gemm_efficiency[0], cluster.gemm_efficiency[-1]
     return "\n".join(
         [
             f"model: {shape.params / 1e9:.3g}B parameters ({shape.n_layer} layers, d_model {shape.d_model}, "
@@ -80,7 +81,8 @@ def summary(work: Workload, cluster: Cluster, recipe: str, overlap: bool) -> str
             f"{shape.flops_per_token / 1e9:,.4g} GFLOP per token (6N + 12Lds)",
             f"cluster: {cluster.name}, {cluster.devices} devices ({cluster.nodes} x {cluster.devices_per_node}), "
             f"{cluster.memory_bytes / GiB:.1f} GiB each, {cluster.peak(work.dtype) / 1e12:.4g} TFLOP/s "
-            f"{work.dtype} peak at {cluster.efficiency:.0%} efficiency",
+            f"{work.dtype} peak; matmuls reach {small[1]:.0%} of it at size {small[0]:g}, "
+            f"{large[1]:.0%} at {large[0]:g}",
             f"batch: {work.global_batch} sequences ({work.tokens_per_step:,} tokens) per step; model states as "
             f"'{recipe}'; communication {'overlapped as stated' if overlap else 'never overlapped'}",
             "memory in GiB per device (other: embedding, logits and loss, buffers; a runtime allowance of "

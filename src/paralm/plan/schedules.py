@@ -43,11 +43,13 @@ class Schedule:
         # DualPipeV (DeepSeek-V3 report, table 2; DualPipe README): PP + 1 chunk activations for 2p chunks.
         return min((2 * p + 1) / 2, m)
 
-    def bubble(self, p: int, v: int, f: float, b: float, w: float) -> float:
-        """Idle time of one pipeline step, in the units of f, b, w."""
+    def bubble(self, p: int, v: int, m: int, f: float, b: float, w: float) -> float:
+        """Idle time of one pipeline step of m micro-batches, in the units of f, b, w. With fewer
+        micro-batches than the schedule needs to fill its pipeline (p, or 2p chunks for the V shapes)
+        nothing overlaps the fill and drain: (p - 1)(F + B), as GPipe."""
         if p == 1:
             return 0.0
-        if self.name in ("gpipe", "1f1b"):
+        if self.name in ("gpipe", "1f1b") or m < (2 * p if self.v_shape else p):
             return (p - 1) * (f + b)  # Huang et al. 2019 (GPipe); Narayanan et al. 2021
         if self.name in ("interleaved_1f1b", "looped_bfs"):
             # Narayanan et al. 2021 sec. 2.2.2; Lamy-Poirier 2023 (breadth-first) has the same bubble.

@@ -1,29 +1,29 @@
 """Enumerate the layouts a cluster can run for a global batch, price each, keep those that fit, rank them.
 
-A layout field given on the command line is fixed; every other one is searched. Fields in a
-`--config` file are not fixed: a config usually records how a model was trained at another scale, and
-asking the planner is asking for the layout afresh (fix what you must with `--parallel.tp=8` etc.).
-Two choices are not searched: `train.ac_every` (the config's value; it refines `selective`) and
-`parallel.cpu_offload` (not modelled). `--parallel.zero=Z` on its own means ZeRO-Z as the paper
-defines it, over the whole data-parallel group; hybrid sharding (HSDP: ZeRO-3 inside `dp_shard`,
-replicas across `dp_replicate`) is searched when the stage is left open or when `dp_replicate` or
-`dp_shard` is given.
+Fixed fields (see `request`) are kept; every other one is searched. Two choices are not searched:
+`train.ac_every` (the config's value; it refines `selective`) and `parallel.cpu_offload` (not
+modelled). `--parallel.zero=Z` on its own means ZeRO-Z as the paper defines it, over the whole
+data-parallel group; hybrid sharding (HSDP: ZeRO-3 inside `dp_shard`, replicas across `dp_replicate`)
+is searched when the stage is left open or when `dp_replicate` or `dp_shard` is given.
 
-Pruning, which never drops the best layout under this cost model: of the activation-checkpointing
-choices only the cheapest that fits is kept (none < selective < full in time); with tp > 1 sequence
-parallelism is always on unless fixed (same traffic as plain TP, less memory); and once a layout does
-not fit even with full recompute, larger pipeline batches and more micro-batches in flight of the same
-layout are not priced (their memory can only be larger).
+Pruning, which never drops the best layout under this cost model: for one layout and one count of
+pipeline micro-batches, every term of the step time is non-increasing in the micro-batch size (larger
+matrices run no less efficiently, and accumulation repeats fewer collectives), while memory grows with
+it; so for each activation-checkpointing choice (none < selective < full in time) only the largest
+micro-batch that fits is priced, and a costlier choice only where it fits a larger micro-batch than a
+cheaper one did. With tp > 1 sequence parallelism is always on unless fixed (same traffic as plain TP,
+less memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paralm.config import Config, parse_overrides
+from paralm.config import Config
 from paralm.errors import UserError
 from paralm.plan.cluster import Cluster, GiB
 from paralm.plan.layout import Layout, Workload
@@ -31,23 +31,6 @@ from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
 from paralm.plan.timing import StepTime, step_time
 
-LAYOUT_FIELDS = (
-    "parallel.dp",
-    "parallel.dp_replicate",
-    "parallel.dp_shard",
-    "parallel.zero",
-    "parallel.cpu_offload",
-    "parallel.tp",
-    "parallel.sequence_parallel",
-    "parallel.pp",
-    "parallel.pp_schedule",
-    "parallel.pp_microbatches",
-    "parallel.pp_virtual_stages",
-    "parallel.pp_split",
-    "train.micro_batch_size",
-    "train.grad_accum",
-    "train.activation_checkpointing",
-)
 AC_BY_COST = ("none", "selective", "full")
 
 
@@ -78,19 +61,14 @@ def evaluate(
     return Plan(layout, memory or device_memory(layout, work, cluster), time, tokens_per_s, mfu)
 
 
-def fixed_fields(config: Config, overrides: list[str]) -> dict[str, Any]:
-    """The layout fields given on the command line, with the config's typed values."""
-    given = {f"{section}.{name}" for section, names in parse_overrides(overrides).items() for name in names}
-    fixed = {key: getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) for key in given & set(LAYOUT_FIELDS)}
-    if fixed.get("parallel.cpu_offload"):
-        raise UserError("parallel.cpu_offload is not modelled by the planner: leave it off")
-    return fixed
-
-
-def global_batch(config: Config, devices: int) -> int:
-    """train.global_batch_size, or what plain data parallelism would run: micro-batch x accumulation x devices."""
+def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
+    """train.global_batch_size, or what the trainer derives from it: micro-batch x accumulation x the
+    data-parallel degree (the devices over the fixed tp and pp, or a fixed dp)."""
     t = config.train
-    return t.global_batch_size or t.micro_batch_size * t.grad_accum * devices
+    dp = fixed.get("parallel.dp", -1)
+    if dp < 1:
+        dp = max(1, devices // (fixed.get("parallel.tp", 1) * fixed.get("parallel.pp", 1)))
+    return t.global_batch_size or t.micro_batch_size * t.grad_accum * dp
 
 
 def search(
@@ -98,51 +76,37 @@ def search(
     cluster: Cluster,
     fixed: dict[str, Any],
     *,
-    recipe: str = "paper",
+    recipe: str = "fp32-master",
     overlap: bool = True,
     global_batch_size: int | None = None,
 ) -> tuple[Workload, list[Plan]]:
-    """The workload and every layout that fits it, fastest first. UserError when none matches or fits."""
+    """The workload and every layout that fits it (dominated micro-batch sizes left out), fastest first.
+    UserError when none matches the fixed fields or fits, naming what rules them out."""
     ps_servers = config.sync.servers
     workers = cluster.devices - ps_servers
     if workers < 1:
         raise UserError(f"sync.ps_servers = {ps_servers} leaves no workers among the {cluster.devices} devices")
-    batch = global_batch_size or global_batch(config, workers)
+    batch = global_batch_size or global_batch(config, workers, fixed)
     work = Workload.from_config(config, batch, recipe)
     _check_fixed(fixed, workers)
+    rejected: Counter[str] = Counter()
     plans, smallest, seen = [], float("inf"), 0
-    too_big: dict[tuple, list[tuple[int, int]]] = {}  # layouts whose (pipeline batch, micro-batches) did not fit
-    for candidates in _layout_groups(config, fixed, workers, cluster.devices_per_node, batch, ps_servers):
+    groups = _layout_groups(config, fixed, workers, cluster.devices_per_node, batch, ps_servers, rejected)
+    for base, per_replica, sizes, acs in groups:
         seen += 1
-        first, leanest = candidates[0], candidates[-1]
-        key = (
-            first.zero,
-            first.dp_shard,
-            first.tp,
-            first.sequence_parallel,
-            first.pp,
-            first.pp_schedule,
-            first.pp_virtual_stages,
-        )
-        size = (first.pipeline_batch, first.pp_microbatches)
-        # Memory grows with the pipeline batch and with the micro-batches in flight (never with grad_accum):
-        # what a smaller one could not fit, a larger one cannot either.
-        if any(size[0] >= b and size[1] >= m for b, m in too_big.get(key, ())):
-            continue
-        lean = device_memory(leanest, work, cluster)
-        if lean.total > cluster.memory_bytes or not _servers_fit(leanest, work, cluster):
-            too_big.setdefault(key, []).append(size)
-            smallest = min(smallest, lean.total)
-            continue
-        for layout in candidates:  # cheapest activation checkpointing first: keep the first that fits
-            memory = lean if layout is leanest else device_memory(layout, work, cluster)
-            if memory.total <= cluster.memory_bytes:
+        best_fitting = 0  # largest micro-batch a cheaper checkpointing choice fitted
+        for ac in acs:
+            larger = [n for n in sizes if n > best_fitting]
+            layout, memory, lean = _largest_that_fits(base, per_replica, larger, ac, work, cluster)
+            smallest = min(smallest, lean)
+            if layout is not None:
                 plans.append(evaluate(layout, work, cluster, overlap=overlap, memory=memory))
-                break
+                best_fitting = layout.micro_batch_size
     if not seen:
+        reasons = "; ".join(reason for reason, _ in rejected.most_common(3)) or "no degrees to search"
         raise UserError(
             f"no layout of {workers} devices matches the fixed fields ({_describe(fixed)}) for a global batch of "
-            f"{batch} sequences: change them, the batch (--train.global_batch_size) or the cluster size"
+            f"{batch} sequences: {reasons}; change them, the batch (--train.global_batch_size) or the cluster size"
         )
     if not plans:
         raise UserError(
@@ -151,6 +115,25 @@ def search(
         )
     plans.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return work, plans
+
+
+def _largest_that_fits(
+    base: Layout, per_replica: int, sizes: list[int], ac: str, work: Workload, cluster: Cluster
+) -> tuple[Layout | None, Memory | None, float]:
+    """`base` with the largest of `sizes` (ascending) as micro-batch that fits (memory grows with it:
+    bisect) and checkpointing `ac`, its memory, and the smallest memory seen."""
+    low, high, found, memory, smallest = 0, len(sizes) - 1, None, None, float("inf")
+    while low <= high:
+        middle = (low + high) // 2
+        n = sizes[middle]
+        layout = dataclasses.replace(base, micro_batch_size=n, grad_accum=per_replica // n, activation_checkpointing=ac)
+        used = device_memory(layout, work, cluster)
+        smallest = min(smallest, used.total)
+        if used.total <= cluster.memory_bytes and _servers_fit(layout, work, cluster):
+            found, memory, low = layout, used, middle + 1
+        else:
+            high = middle - 1
+    return found, memory, smallest
 
 
 def _describe(fixed: dict[str, Any]) -> str:
@@ -166,7 +149,7 @@ def _servers_fit(layout: Layout, work: Workload, cluster: Cluster) -> bool:
 
 
 def _check_fixed(fixed: dict[str, Any], workers: int) -> None:
-    """What `load_config` could not check: the fixed degrees against the cluster. (It has checked them
+    """What `load_request` could not check: the fixed degrees against the cluster. (It has checked them
     against the model: heads and vocabulary divisible by tp, layers by pp, schedule rules, sync modes.)"""
     for name in ("parallel.tp", "parallel.pp", "parallel.dp"):
         value = fixed.get(name)
@@ -175,7 +158,8 @@ def _check_fixed(fixed: dict[str, Any], workers: int) -> None:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _choices(fixed: dict[str, Any], name: str, options: list[Any]) -> list[Any]:
@@ -183,15 +167,24 @@ def _choices(fixed: dict[str, Any], name: str, options: list[Any]) -> list[Any]:
 
 
 def _layout_groups(
-    config: Config, fixed: dict[str, Any], workers: int, per_node: int, batch: int, ps_servers: int
-) -> Iterator[list[Layout]]:
-    """Layouts grouped by all but activation checkpointing, each group cheapest checkpointing first.
+    config: Config,
+    fixed: dict[str, Any],
+    workers: int,
+    per_node: int,
+    batch: int,
+    ps_servers: int,
+    rejected: Counter[str],
+) -> Iterator[tuple[Layout, int, list[int], list[str]]]:
+    """Layouts grouped by all but the micro-batch size and checkpointing: (layout, sequences per
+    data-parallel rank, the micro-batch sizes to try, smallest first, and checkpointing choices,
+    cheapest first), one per pipeline micro-batch count.
 
     Only layouts paralm can train (`paralm.parallel.checks`, `sharding_checks`): whole heads and
     vocabulary shards per tp rank, ZeRO-1 (ZeroRedundancyOptimizer) without tp or pp, ZeRO-2/3 for a
     reduce dtype other than fp32, no pipeline under fp16 (no loss scaling there), and whole models per
-    replica under a parameter server, local SGD, DiLoCo or gradient compression. Tensor parallelism is searched within
-    a node (Narayanan et al. 2021: across nodes it is bandwidth-bound); a fixed tp may span nodes.
+    replica under a parameter server, local SGD, DiLoCo or gradient compression. Tensor parallelism is
+    searched within a node (Narayanan et al. 2021: across nodes it is bandwidth-bound); a fixed tp may
+    span nodes. What rules candidates out is counted in `rejected`, to explain an empty search.
     """
     m = config.model
     whole_models = config.sync.mode != "allreduce" or config.comm.compression != "none"
@@ -201,37 +194,77 @@ def _layout_groups(
         pps = [p for p in _divisors(workers // tp) if p <= m.n_layer and (p == 1 or config.precision.dtype != "fp16")]
         for pp in _choices(fixed, "parallel.pp", [1] if whole_models else pps):
             if workers % (tp * pp):
+                rejected[f"tp x pp = {tp * pp} does not divide the {workers} devices"] += 1
                 continue
             dp = workers // (tp * pp)
-            if fixed.get("parallel.dp", -1) not in (-1, dp) or batch % dp:
+            if fixed.get("parallel.dp", -1) not in (-1, dp):
+                rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x pp {pp}"] += 1
+                continue
+            if batch % dp:
+                rejected[f"the global batch {batch} is not a multiple of dp = {dp} (tp {tp}, pp {pp})"] += 1
                 continue
             for zero, replicate, shard in _shardings(fixed, dp, whole_models, config):
                 if zero < lowest_zero or (zero == 1 and tp * pp > 1):
+                    rejected[f"ZeRO-{zero} cannot run with tp {tp}, pp {pp} and this reduce dtype"] += 1
                     continue
                 for sp in _choices(fixed, "parallel.sequence_parallel", [True]) if tp > 1 else [False]:
                     if sp and m.block_size % tp:
+                        rejected[f"model.block_size is not divisible by tp = {tp} (sequence parallelism)"] += 1
                         continue
-                    for mbs, accum in _micro_batches(fixed, batch // dp):
-                        for schedule, v, microbatches in _pipelines(config, fixed, pp, mbs):
-                            layout = Layout(
-                                dp_replicate=replicate,
-                                dp_shard=shard,
-                                zero=zero,
-                                tp=tp,
-                                sequence_parallel=sp,
-                                pp=pp,
-                                pp_schedule=schedule,
-                                pp_microbatches=microbatches,
-                                pp_virtual_stages=v,
-                                micro_batch_size=mbs,
-                                grad_accum=accum,
-                                activation_checkpointing="none",
-                                ac_every=config.train.ac_every,
-                                pp_split=tuple(fixed.get("parallel.pp_split", ())),
-                                ps_servers=ps_servers,
-                            )
-                            acs = _choices(fixed, "train.activation_checkpointing", list(AC_BY_COST))
-                            yield [dataclasses.replace(layout, activation_checkpointing=ac) for ac in acs]
+                    for schedule, v in _schedules(config, fixed, pp):
+                        base = Layout(
+                            dp_replicate=replicate,
+                            dp_shard=shard,
+                            zero=zero,
+                            tp=tp,
+                            sequence_parallel=sp,
+                            pp=pp,
+                            pp_schedule=schedule,
+                            pp_microbatches=1,
+                            pp_virtual_stages=v,
+                            micro_batch_size=1,
+                            grad_accum=1,
+                            activation_checkpointing="none",
+                            ac_every=config.train.ac_every,
+                            pp_split=tuple(fixed.get("parallel.pp_split", ())),
+                            ps_servers=ps_servers,
+                        )
+                        yield from _micro_batch_groups(base, fixed, batch // dp, rejected)
+
+
+def _micro_batch_groups(
+    base: Layout, fixed: dict[str, Any], per_replica: int, rejected: Counter[str]
+) -> Iterator[tuple[Layout, int, list[int], list[str]]]:
+    """Per pipeline micro-batch count: the micro-batch sizes (with accumulation, `per_replica` sequences
+    per data-parallel rank) that are multiples of it, and the checkpointing choices."""
+    mbs, accum = fixed.get("train.micro_batch_size"), fixed.get("train.grad_accum")
+    sizes = [
+        size
+        for size in _divisors(per_replica)
+        if (mbs is None or size == mbs) and (accum is None or per_replica // size == accum)
+    ]
+    if not sizes:
+        rejected[f"{per_replica} sequences per data-parallel rank do not split into the fixed micro-batches"] += 1
+        return
+    acs = _choices(fixed, "train.activation_checkpointing", list(AC_BY_COST))
+    for microbatches in _pipeline_counts(base, fixed, sizes, rejected):
+        multiples = [size for size in sizes if size % microbatches == 0]
+        yield dataclasses.replace(base, pp_microbatches=microbatches), per_replica, multiples, acs
+
+
+def _pipeline_counts(base: Layout, fixed: dict[str, Any], sizes: list[int], rejected: Counter[str]) -> list[int]:
+    """The pipeline micro-batch counts the schedule accepts and some micro-batch size is a multiple of."""
+    if base.pp == 1:
+        return [1]
+    given = fixed.get("parallel.pp_microbatches")
+    options = [given or base.pp] if given is not None else _divisors(max(sizes))
+    counts = [n for n in options if any(s % n == 0 for s in sizes) and base.schedule.accepts(base.pp, n)]
+    if not counts:
+        rejected[
+            f"{base.pp_schedule} on pp = {base.pp} accepts none of the micro-batch counts that divide a "
+            f"micro-batch of at most {max(sizes)} sequences"
+        ] += 1
+    return counts
 
 
 def _shardings(fixed: dict[str, Any], dp: int, whole_models: bool, config: Config) -> Iterator[tuple[int, int, int]]:
@@ -253,18 +286,10 @@ def _shardings(fixed: dict[str, Any], dp: int, whole_models: bool, config: Confi
             yield zero, 1, dp
 
 
-def _micro_batches(fixed: dict[str, Any], per_replica: int) -> Iterator[tuple[int, int]]:
-    """(micro_batch_size, grad_accum) pairs that make up `per_replica` sequences per data-parallel rank."""
-    mbs, accum = fixed.get("train.micro_batch_size"), fixed.get("train.grad_accum")
-    for size in _divisors(per_replica):
-        if (mbs is None or size == mbs) and (accum is None or per_replica // size == accum):
-            yield size, per_replica // size
-
-
-def _pipelines(config: Config, fixed: dict[str, Any], pp: int, mbs: int) -> Iterator[tuple[str, int, int]]:
-    """(schedule, virtual stages, pipeline micro-batches) for `pp` ranks and micro-batches of `mbs`."""
+def _schedules(config: Config, fixed: dict[str, Any], pp: int) -> Iterator[tuple[str, int]]:
+    """(schedule, virtual stages) for `pp` ranks."""
     if pp == 1:
-        yield config.parallel.pp_schedule, 1, 1
+        yield config.parallel.pp_schedule, 1
         return
     split = fixed.get("parallel.pp_split")
     for name in _choices(fixed, "parallel.pp_schedule", list(SCHEDULES)):
@@ -274,7 +299,4 @@ def _pipelines(config: Config, fixed: dict[str, Any], pp: int, mbs: int) -> Iter
                 continue
             if (v == 1) != (schedule.chunks == (1,)) or (schedule.v_shape and v != 2):
                 continue  # the schedule cannot run with this many chunks per rank
-            given = fixed.get("parallel.pp_microbatches")
-            for microbatches in [given or pp] if given is not None else _divisors(mbs):
-                if mbs % microbatches == 0 and schedule.accepts(pp, microbatches):
-                    yield name, v, microbatches
+            yield name, v

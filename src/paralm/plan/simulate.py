@@ -36,10 +36,10 @@ def simulate(
     fixed: dict[str, Any],
     scaling: str,
     *,
-    recipe: str = "paper",
+    recipe: str = "fp32-master",
     overlap: bool = True,
 ) -> list[Point]:
-    base = global_batch(config, sizes[0])
+    base = global_batch(config, sizes[0], fixed)
     points = []
     for n in sizes:
         batch = base if scaling == "strong" else base * n // sizes[0]

@@ -1,10 +1,15 @@
 """Step time of a layout: compute, pipeline bubble, communication (what overlaps and what does not), optimizer.
 
 Stated assumptions:
-- compute: FLOPs (6N + 12 L d s per token, plus the forward again for recomputed blocks) over
-  peak x `cluster.efficiency`, the fraction of peak training achieves (calibrated or cited);
+- compute: each kernel of a block by a roofline (`kernels`): matmuls at a size-dependent fraction of
+  peak, elementwise work at the memory bandwidth, a launch latency per kernel; backward costs the
+  weight matmuls twice (input and weight gradients), attention and elementwise work twice; recomputed
+  blocks run their forward again;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path;
+- ZeRO as paralm implements it (`Workload.zero1_reduce_scatter`, `sharded_accumulation` price the
+  paper's): ZeRO-1 all-reduces gradients and broadcasts the updated shards, ZeRO-2/3 reduce
+  gradients once per step, after the last micro-step;
 - data-parallel gradient reduction overlaps the backward of the last pipeline micro-batch (DDP's
   bucketed all-reduce; its last bucket is never hidden); ZeRO-3's parameter all-gathers are prefetched
   behind forward and backward except the first block's; ZeRO-1/2's all-gather of updated parameters
@@ -20,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paralm.plan import comm
+from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster, Link
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
 from paralm.plan.memory import STATE_RECIPES, rank_params
@@ -67,23 +72,23 @@ class _MicroBatch:
 
 
 def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> _MicroBatch:
-    shape, t = work.shape, layout.tp
-    rate = cluster.peak(work.dtype) * cluster.efficiency * t
-    linear, attention = shape.layer_forward_flops(layout.pipeline_batch * shape.block_size)
-    head = shape.head_forward_flops(layout.pipeline_batch * shape.block_size) if rank.has_head else 0.0
+    shape, t, e = work.shape, layout.tp, work.element_bytes
+    block = kernels.block_forward(
+        cluster, work.dtype, shape, layout.pipeline_batch, t, layout.sequence_parallel and t > 1, e
+    )
+    head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e) if rank.has_head else 0.0
+    forward = block.linear + block.attention + block.elementwise
     recomputed = layout.checkpointed_blocks(rank.layers)
     tp_link = cluster.link(*group_strides(layout)["tp"])
     # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec. 4.2.2).
-    all_reduce = comm.all_reduce(
-        layout.pipeline_batch * shape.block_size * shape.d_model * work.element_bytes, t, tp_link
-    )
+    all_reduce = comm.all_reduce(layout.pipeline_batch * shape.block_size * shape.d_model * e, t, tp_link)
     return _MicroBatch(
-        f=(rank.layers * (linear + attention) + head) / rate,
-        r=recomputed * (linear + attention) / rate,
-        # Input gradients cost the forward's matmuls again and attention's twice; weight gradients
-        # cost the weight matmuls again (Qi et al. 2024 split B and W so).
-        b_in=(rank.layers * (linear + 2 * attention) + head) / rate,
-        w=(rank.layers * linear + head) / rate,
+        f=rank.layers * forward + head,
+        r=recomputed * forward,
+        # Input gradients cost the forward's matmuls again, attention's and the elementwise work's
+        # twice; weight gradients the weight matmuls again (Qi et al. 2024 split B and W so).
+        b_in=rank.layers * (block.linear + 2 * block.attention + 2 * block.elementwise) + head,
+        w=rank.layers * block.linear + head,
         # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
         tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,
@@ -104,7 +109,7 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
         send = v * comm.p2p(activation, cluster.link(*group_strides(layout)["pp"]))  # one per chunk boundary
     forward = mb.f + mb.tp_f + send
     backward = mb.r + mb.b_in + mb.w + mb.tp_b + send
-    bubble = layout.schedule.bubble(p, v, forward, backward, mb.w)
+    bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w)
 
     params = max(rank_params(shape, layout, r) for r in ranks)
     dp_total, dp_exposed = _data_parallel(layout, work, cluster, params, forward * m, backward, overlap)
@@ -154,18 +159,20 @@ def _data_parallel(
     if layout.zero in (1, 2):
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
         gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
-        # ZeRO-2 keeps only its gradient shard, so it reduces after every micro-step (paper sec. 5.2).
-        reductions = layout.grad_accum if layout.zero == 2 else 1
+        if layout.zero == 1 and not work.zero1_reduce_scatter:  # DDP's all-reduce, then the broadcasts
+            reduce = _gradient_all_reduce(work, params, dp_n, dp_link)
+        # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
+        reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1
         return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather
     gather = comm.all_gather(params * work.element_bytes, shard_n, shard_link)
     first_block = comm.all_gather(work.shape.layer_params / layout.tp * work.element_bytes, shard_n, shard_link)
-    if layout.pp == 1:  # gather for forward, again for backward, reduce-scatter: 1.5x DDP's volume
-        per_micro_step = 2 * gather + reduce
-        hidden = first_block + exposed(gather, forward) + exposed(gather + reduce, backward)
-    else:  # parameters stay gathered through the micro-step's pipeline micro-batches
-        per_micro_step = gather + reduce
-        hidden = first_block + exposed(gather, forward) + exposed(reduce, backward)
-    return layout.grad_accum * per_micro_step, layout.grad_accum * (hidden if overlap else per_micro_step)
+    # Gather for forward, again for backward (with a pipeline parameters stay gathered through the
+    # micro-step's pipeline micro-batches); reduce-scatter once per step unless accumulation is sharded.
+    gathers = 2 if layout.pp == 1 else 1
+    reductions = layout.grad_accum if work.sharded_accumulation else 1
+    total = layout.grad_accum * gathers * gather + reductions * reduce
+    hidden = layout.grad_accum * (first_block + exposed(gather, forward) + (gathers - 1) * exposed(gather, backward))
+    return total, (hidden + reductions * exposed(reduce, backward)) if overlap else total
 
 
 def _gradient_all_reduce(work: Workload, params: float, n: int, link: Link) -> float:

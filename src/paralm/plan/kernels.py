@@ -1,0 +1,81 @@
+"""Seconds of the kernels one transformer block runs on one device: a roofline per kernel.
+
+A matmul of (M x K) by (K x N) takes the longer of its FLOPs at the device's peak times an efficiency
+that depends on its size (`Cluster.gemm_efficiency`, interpolated at the geometric mean of M, N, K:
+small and thin matrices keep few tensor cores busy) and its bytes at the memory bandwidth, plus one
+kernel launch (`Cluster.kernel_latency`). Elementwise work (LayerNorm, GELU, residual adds, the loss's
+softmax) is memory-bound: its bytes over the bandwidth, plus a launch per kernel. Attention is the
+fused kernel paralm's model calls (torch's scaled_dot_product_attention): two batched matmuls per
+head of (s x hd) by (hd x s), with no s x s matrix in memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from paralm.plan.cluster import Cluster
+from paralm.plan.shape import ModelShape
+
+ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GELU, 4 reshapes / casts
+
+
+def efficiency(cluster: Cluster, size: float) -> float:
+    """Fraction of peak a matmul of geometric-mean dimension `size` reaches: log-linear between the
+    calibrated points, flat beyond the ends."""
+    points = cluster.gemm_efficiency
+    sizes = [p[0] for p in points]
+    i = bisect.bisect_left(sizes, size)
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        return points[-1][1]
+    (s0, e0), (s1, e1) = points[i - 1], points[i]
+    return e0 + (e1 - e0) * math.log(size / s0) / math.log(s1 / s0)
+
+
+def matmul(cluster: Cluster, dtype: str, m: float, n: float, k: float, element_bytes: int, count: float = 1) -> float:
+    """`count` matmuls of (m x k) by (k x n), batched into one kernel."""
+    flops = 2 * m * n * k * count
+    compute = flops / (cluster.peak(dtype) * efficiency(cluster, (m * n * k) ** (1 / 3)))
+    memory = element_bytes * (m * k + k * n + m * n) * count / cluster.memory_bandwidth
+    return max(compute, memory) + cluster.kernel_latency
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Forward seconds of one block on one tensor-parallel rank, by kind of work."""
+
+    linear: float  # the six weight matmuls (backward: as much again for input, again for weight gradients)
+    attention: float  # the fused attention kernel (backward: twice)
+    elementwise: float  # memory-bound work (backward: twice)
+
+
+def block_forward(
+    cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, sp: bool, element_bytes: int
+) -> BlockTimes:
+    d, s, e = shape.d_model, shape.block_size, element_bytes
+    tokens = sequences * s
+    linear = 4 * matmul(cluster, dtype, tokens, d / t, d, e)  # q, k, v, and out (d/t x d)
+    linear += 2 * matmul(cluster, dtype, tokens, 4 * d / t, d, e)  # MLP up, and down (4d/t x d)
+    head_dim = d // shape.n_head
+    attention = 2 * matmul(cluster, dtype, s, s, head_dim, e, count=sequences * shape.n_head / t)
+    seq_split = t if sp else 1
+    # LayerNorms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP;
+    # GELU reads and writes the 4h-wide activation, split by TP.
+    elementwise_bytes = e * tokens * d * (10 / seq_split + 8 / t)
+    elementwise = elementwise_bytes / cluster.memory_bandwidth + ELEMENTWISE_KERNELS * cluster.kernel_latency
+    return BlockTimes(linear, attention, elementwise)
+
+
+def head_forward(cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, element_bytes: int) -> float:
+    """The LM head's matmul and the loss: paralm computes it in fp32 over the vocabulary shard (read the
+    logits, write log-probabilities, read them back for the loss and its gradient)."""
+    tokens, vocab = sequences * shape.block_size, shape.vocab_size / t
+    loss_bytes = tokens * vocab * (element_bytes + 3 * 4)
+    return (
+        matmul(cluster, dtype, tokens, vocab, shape.d_model, element_bytes)
+        + loss_bytes / cluster.memory_bandwidth
+        + 3 * cluster.kernel_latency
+    )
