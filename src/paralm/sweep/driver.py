@@ -138,10 +138,12 @@ class _Recorder(tune.Callback):
 
 
 def _error_message(trial: Any) -> str:
-    """The trial's own exception message (our TrialProcessError), not Ray's wrapped traceback."""
-    error = trial.get_pickled_error()
-    cause = getattr(error, "cause", None) or error
-    if cause is not None:
-        return str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-    text = trial.get_error() or "unknown error"
-    return text.strip().splitlines()[-1]
+    """The last line of the trial's error as Tune recorded it: our `TrialProcessError`'s message (paralm
+    train's own last words), or Ray's when the worker itself died; without the exception's class name."""
+    path = trial.error_file  # on this machine: Tune copies it to storage later
+    text = Path(path).read_text() if path and Path(path).is_file() else ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "unknown error (see the trial's records under <out>/tune)"
+    name, colon, message = lines[-1].partition(": ")
+    return message if colon and name.replace(".", "").replace("_", "").isalnum() else lines[-1]
