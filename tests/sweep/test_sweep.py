@@ -10,24 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from paralm.cli import main
 from tests.helpers import read_metrics
+from tests.test_cli import TINY as CLI_TINY
 
-ray = pytest.importorskip("ray")
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "--config",
-    str(ROOT / "configs/tiny.toml"),
-    "--model.n_head=2",
-    "--model.d_model=32",
-    "--model.block_size=32",
-    "--train.micro_batch_size=4",
-    "--train.eval_every=0",
-    "--train.eval_samples=8",
-    "--log.tensorboard=false",
-]
+# the CLI tests' tiny model (without its fixed n_layer, which some sweeps search), 2 heads, no mid-run evals
+TINY = [a for a in CLI_TINY if not a.startswith("--model.n_layer")] + ["--model.n_head=2", "--train.eval_every=0"]
 
 pytestmark = pytest.mark.slow
 
