@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     from paralm.plan.cli import add_plan_verbs
 
     add_plan_verbs(verbs)
+    from paralm.sweep.cli import add_sweep_verb
+
+    add_sweep_verb(verbs)
     return parser
 
 
