@@ -123,8 +123,9 @@ def _largest_that_fits(
     """`base` with the largest of `sizes` (ascending) as micro-batch that fits (memory grows with it:
     bisect) and checkpointing `ac`, its memory, and the smallest memory seen."""
     low, high, found, memory, smallest = 0, len(sizes) - 1, None, None, float("inf")
+    first = True  # the largest first: usually it fits, and one evaluation settles the group
     while low <= high:
-        middle = (low + high) // 2
+        middle, first = (high if first else (low + high) // 2), False
         n = sizes[middle]
         layout = dataclasses.replace(base, micro_batch_size=n, grad_accum=per_replica // n, activation_checkpointing=ac)
         used = device_memory(layout, work, cluster)
