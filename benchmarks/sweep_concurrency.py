@@ -60,25 +60,30 @@ def main() -> None:
     paralm = [sys.executable, "-m", "paralm"]
     seeds = list(range(1, args.trials + 1))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    print(f"{args.trials} trials of {args.steps} steps on {os.cpu_count()} cores", flush=True)
+    headers = ["run", "load avg before", "wall s", "trials/hour", "vs sequential"]
     rows = []
+
+    def row(name: str, load: str, seconds: float, baseline: float) -> None:
+        """Printed as measured, so a run cut short keeps the rows it has."""
+        rows.append([name, load, f"{seconds:.1f}", f"{3600 * args.trials / seconds:.0f}", f"{baseline / seconds:.2f}x"])
+        print(" | ".join(rows[-1]), flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         load = load_average()
         sequential = sum(
             timed([*paralm, "train", *model_args(args.steps), f"--train.seed={s}", f"--run.dir={tmp}/seq{s}"], env)
             for s in seeds
         )
-        rows.append(["sequential", load, sequential])
+        row("sequential", load, sequential, sequential)
         for n in (int(c) for c in args.concurrency.split(",")):
             load = load_average()
             grid = ["--grid", "train.seed=" + ",".join(map(str, seeds))]
             cpus = ["--num-cpus", str(n)] if n > (os.cpu_count() or 1) else []
             command = [*paralm, "sweep", *model_args(args.steps), *grid, "--max-concurrent", str(n), *cpus]
-            rows.append([f"{n} at once", load, timed([*command, "--out", f"{tmp}/sweep{n}"], os.environ.copy())])
-    print(f"{args.trials} trials of {args.steps} steps on {os.cpu_count()} cores")
-    print_table(
-        ["run", "load avg before", "wall s", "trials/hour", "vs sequential"],
-        [[name, load, f"{s:.1f}", f"{3600 * args.trials / s:.0f}", f"{sequential / s:.2f}x"] for name, load, s in rows],
-    )
+            row(f"{n} at once", load, timed([*command, "--out", f"{tmp}/sweep{n}"], os.environ.copy()), sequential)
+    print()
+    print_table(headers, rows)
 
 
 if __name__ == "__main__":
