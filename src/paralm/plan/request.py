@@ -18,7 +18,7 @@ from typing import Any
 
 from paralm.config import Config, load_config, parse_overrides, read_toml
 from paralm.errors import UserError
-from paralm.parallel.checks import fewest_stages_per_rank
+from paralm.pipeline_schedules import fewest_stages_per_rank
 
 LAYOUT_FIELDS = (
     "parallel.dp",

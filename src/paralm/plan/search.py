@@ -180,7 +180,7 @@ def _layout_groups(
     data-parallel rank, the micro-batch sizes to try, smallest first, and checkpointing choices,
     cheapest first), one per pipeline micro-batch count.
 
-    Only layouts paralm can train (`paralm.parallel.checks`, `sharding_checks`): whole heads and
+    Only layouts paralm can train (`paralm.rules`): whole heads and
     vocabulary shards per tp rank, ZeRO-1 (ZeroRedundancyOptimizer) without tp or pp, ZeRO-2/3 for a
     reduce dtype other than fp32, no pipeline under fp16 (no loss scaling there), and whole models per
     replica under a parameter server, local SGD, DiLoCo or gradient compression. Tensor parallelism is
