@@ -60,8 +60,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.data.prepare import prepare_dataset
 
-    if overrides:
-        raise UserError(f"`paralm data prepare` takes no config overrides, got {' '.join(overrides)}")
+    _no_overrides("data prepare", overrides)
     summary = prepare_dataset(
         inputs=args.input,
         out=args.out,
@@ -71,6 +70,26 @@ def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     print(summary)
     return 0
+
+
+def _export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.export import export_run
+
+    _no_overrides("export", overrides)
+    print(export_run(args.run, args.out, checkpoint=args.checkpoint))
+    return 0
+
+
+def _import(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.export import import_hf
+
+    print(import_hf(args.hf, args.out, args.config, overrides))
+    return 0
+
+
+def _no_overrides(verb: str, overrides: list[str]) -> None:
+    if overrides:
+        raise UserError(f"`paralm {verb}` takes no config overrides, got {' '.join(overrides)}")
 
 
 def _config_args(args: argparse.Namespace) -> list[str]:
@@ -104,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all")
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=_generate)
+
+    export = verbs.add_parser("export", help="write a run's model as a Hugging Face transformers GPT-2 folder")
+    export.add_argument("--run", required=True, help="run directory")
+    export.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
+    export.add_argument("--out", required=True, help="new output folder (config.json, model.safetensors, tokenizer)")
+    export.set_defaults(func=_export)
+
+    importer = verbs.add_parser("import", help="start a run from a Hugging Face GPT-2 folder (step-0 checkpoint)")
+    importer.add_argument("--hf", required=True, help="folder saved by transformers' save_pretrained")
+    importer.add_argument("--out", required=True, help="new run directory")
+    importer.add_argument("--config", help="TOML config for the fine-tuning run (the model section comes from --hf)")
+    importer.set_defaults(func=_import)
 
     data = verbs.add_parser("data", help="prepare token shards from text")
     data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
