@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from paralm.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -87,6 +88,21 @@ def _import(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    import tempfile
+
+    from paralm.evidence.verify import echo_err, table, verify
+
+    _no_overrides("verify", overrides)
+    if args.nproc < 2:
+        raise UserError(f"--nproc {args.nproc}: verify compares layouts of at least 2 ranks with one process")
+    only = [word.strip() for word in (args.only or "").split(",") if word.strip()]
+    with tempfile.TemporaryDirectory(prefix="paralm-verify-", dir=args.work) as work:
+        verdicts = verify(args.nproc, only, Path(work), echo_err)
+    print(table(verdicts))
+    return 0 if all(v.holds for v in verdicts) else 1
+
+
 def _no_overrides(verb: str, overrides: list[str]) -> None:
     if overrides:
         raise UserError(f"`paralm {verb}` takes no config overrides, got {' '.join(overrides)}")
@@ -135,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("--out", required=True, help="new run directory")
     importer.add_argument("--config", help="TOML config for the fine-tuning run (the model section comes from --hf)")
     importer.set_defaults(func=_import)
+
+    check = verbs.add_parser(
+        "verify", help="train every exact layout that fits N ranks and compare it with one process"
+    )
+    check.add_argument("--nproc", type=int, default=4, help="ranks available (layouts use up to this many)")
+    check.add_argument("--only", help="comma-separated words: layouts whose name contains one, e.g. zero,tp,pp")
+    check.add_argument("--work", help="folder for the runs' temporary directory (default: the system's)")
+    check.set_defaults(func=_verify)
 
     data = verbs.add_parser("data", help="prepare token shards from text")
     data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
