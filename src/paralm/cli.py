@@ -103,6 +103,19 @@ def _verify(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if all(v.holds for v in verdicts) else 1
 
 
+def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.evidence.compare import compare, default_layouts, parse_layout, summary_table
+    from paralm.evidence.verify import echo_err
+
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc} must be at least 1")
+    layouts = [parse_layout(text) for text in args.layout] if args.layout else default_layouts(args.nproc)
+    summary = compare(args.config, args.nproc, layouts, overrides, Path(args.out), echo_err)
+    print(summary_table(summary))
+    print(f"wrote {Path(args.out) / 'report.html'} and {Path(args.out) / 'summary.json'}")
+    return 0
+
+
 def _no_overrides(verb: str, overrides: list[str]) -> None:
     if overrides:
         raise UserError(f"`paralm {verb}` takes no config overrides, got {' '.join(overrides)}")
@@ -159,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--only", help="comma-separated words: layouts whose name contains one, e.g. zero,tp,pp")
     check.add_argument("--work", help="folder for the runs' temporary directory (default: the system's)")
     check.set_defaults(func=_verify)
+
+    comparison = verbs.add_parser("compare", help="train several layouts on the same data and report what each costs")
+    comparison.add_argument("--config", help="TOML config file shared by every layout")
+    comparison.add_argument("--nproc", type=int, default=2, help="ranks for every layout")
+    comparison.add_argument(
+        "--layout",
+        action="append",
+        help='NAME=ARGS, repeatable, e.g. "zero3=--parallel.zero=3" (default: a set for --nproc)',
+    )
+    comparison.add_argument("--out", required=True, help="folder for report.html, summary.json and the runs")
+    comparison.set_defaults(func=_compare)
 
     data = verbs.add_parser("data", help="prepare token shards from text")
     data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
