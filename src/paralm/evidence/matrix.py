@@ -63,7 +63,13 @@ class Layout:
         return [*BASE_ARGS, *(f"--{k}={_toml(v)}" for k, v in (batch | self.settings).items())]
 
     def matches(self, only: list[str]) -> bool:
-        return not only or any(word in self.name or word in self.tags for word in only)
+        return not only or any(word in self.tags or name_matches(self.name, word) for word in only)
+
+
+def name_matches(name: str, word: str) -> bool:
+    """`--only` words select by name: the whole name, or the start of one of its dash-separated parts
+    (`zero` selects zero1..3 and 2d-zero3-tp2, not pp2-interleaved_zero_bubble)."""
+    return word == name or any(part.startswith(word) for part in name.split("-"))
 
 
 def _toml(value: object) -> str:

@@ -45,7 +45,7 @@ def _bars(summary: list[dict], key: str, title: str, scale: float = 1.0, unit: s
         heights = [0 if v is None else v * scale for v in values]
         bars = ax.bar(names, heights, color=["#bbb" if v is None else f"C{i}" for i, v in enumerate(values)])
         for bar, value, height in zip(bars, values, heights, strict=True):
-            label = ABSENT if value is None else f"{height:,.3g}"
+            label = ABSENT if value is None else (f"{height:,.0f}" if height >= 100 else f"{height:.3g}")
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, height), ha="center", va="bottom", fontsize=8)
         ax.set(title=title, ylabel=unit)
         ax.tick_params(axis="x", labelrotation=20)

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paralm.errors import UserError
-from paralm.evidence.matrix import EXACT_TOLERANCE, GLOBAL_BATCH, Layout, exact_layouts, reference_layout
+from paralm.evidence.matrix import (
+    EXACT_TOLERANCE,
+    GLOBAL_BATCH,
+    Layout,
+    exact_layouts,
+    name_matches,
+    reference_layout,
+)
 from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
 from paralm.model import GPT, GPTConfig
 
@@ -172,7 +179,7 @@ def verify(nproc: int, only: list[str], work: Path, echo: Callable[[str], None] 
     """Train and check the selected layouts; the reference must itself have trained (loss went down)."""
     matrix = Matrix(work, echo)
     exact = [layout for layout in exact_layouts(nproc) if layout.matches(only)]
-    approximate = [check for name, check in APPROXIMATE.items() if not only or any(w in name for w in only)]
+    approximate = [check for name, check in APPROXIMATE.items() if not only or any(name_matches(name, w) for w in only)]
     if not exact and not approximate:
         raise UserError(f"--only {','.join(only)} selects no layout for {nproc} ranks")
     echo(f"paralm verify: {len(exact)} exact layouts and {len(approximate)} approximate methods on {nproc} ranks, "
