@@ -39,26 +39,27 @@ def hf_gpt2_config_kwargs(model: GPT) -> dict:
     )
 
 
+def _renamed(n_layer: int) -> list[tuple[str, str, bool]]:
+    """(paralm name, HF name, transposed) for every tensor but the fused q, k, v and the tied head."""
+    outer = ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")
+    pairs = [(name, f"transformer.{name}", False) for name in outer]
+    for i in range(n_layer):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for hf_name, name in {**_RENAMES, "ln_1": "ln_1", "ln_2": "ln_2"}.items():
+            pairs.append((p + name + ".weight", h + hf_name + ".weight", "ln" not in hf_name))
+            pairs.append((p + name + ".bias", h + hf_name + ".bias", False))
+    return pairs
+
+
 @torch.no_grad()
 def to_hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    out = {
-        "transformer.wte.weight": sd["wte.weight"],
-        "transformer.wpe.weight": sd["wpe.weight"],
-        "transformer.ln_f.weight": sd["ln_f.weight"],
-        "transformer.ln_f.bias": sd["ln_f.bias"],
-        "lm_head.weight": sd["wte.weight"],
-    }
+    out = {hf: sd[name].t() if transposed else sd[name] for name, hf, transposed in _renamed(model.config.n_layer)}
+    out["lm_head.weight"] = sd["wte.weight"]
     for i in range(model.config.n_layer):
         p, h = f"blocks.{i}.", f"transformer.h.{i}."
         out[h + "attn.c_attn.weight"] = torch.cat([sd[p + f"attn.{w}.weight"] for w in _QKV]).t()
         out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{w}.bias"] for w in _QKV])
-        for hf_name, name in _RENAMES.items():
-            out[h + hf_name + ".weight"] = sd[p + name + ".weight"].t()
-            out[h + hf_name + ".bias"] = sd[p + name + ".bias"]
-        for ln in ("ln_1", "ln_2"):
-            out[h + ln + ".weight"] = sd[p + ln + ".weight"]
-            out[h + ln + ".bias"] = sd[p + ln + ".bias"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -108,23 +109,11 @@ def from_hf_gpt2_state_dict(hf: dict[str, torch.Tensor], config: GPTConfig, sour
         raise UserError(f"{source}: weights paralm's GPT-2 has no place for: {', '.join(extra[:3])}")
     if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["transformer.wte.weight"]):
         raise UserError(f"{source}: lm_head.weight differs from the embedding (an untied head); paralm ties them")
-    d = config.d_model
-    out = {
-        "wte.weight": hf["transformer.wte.weight"],
-        "wpe.weight": hf["transformer.wpe.weight"],
-        "ln_f.weight": hf["transformer.ln_f.weight"],
-        "ln_f.bias": hf["transformer.ln_f.bias"],
-    }
+    out = {name: hf[h].t() if transposed else hf[h] for name, h, transposed in _renamed(config.n_layer)}
     for i in range(config.n_layer):
         p, h = f"blocks.{i}.", f"transformer.h.{i}."
-        weights = hf[h + "attn.c_attn.weight"].t().split(d)
-        biases = hf[h + "attn.c_attn.bias"].split(d)
+        weights = hf[h + "attn.c_attn.weight"].t().split(config.d_model)
+        biases = hf[h + "attn.c_attn.bias"].split(config.d_model)
         for w, weight, bias in zip(_QKV, weights, biases, strict=True):
             out[p + f"attn.{w}.weight"], out[p + f"attn.{w}.bias"] = weight, bias
-        for hf_name, name in _RENAMES.items():
-            out[p + name + ".weight"] = hf[h + hf_name + ".weight"].t()
-            out[p + name + ".bias"] = hf[h + hf_name + ".bias"]
-        for ln in ("ln_1", "ln_2"):
-            out[p + ln + ".weight"] = hf[h + ln + ".weight"]
-            out[p + ln + ".bias"] = hf[h + ln + ".bias"]
     return {k: v.float().contiguous() for k, v in out.items()}

@@ -12,18 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paralm.config import PIPELINE_SCHEDULES
+from paralm.model import GPTConfig
 from paralm.parallel.checks import fewest_stages_per_rank
+
+
+def _toml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
 
 GLOBAL_BATCH = 24  # divisible by every data-parallel degree of up to 4 ranks, and by 6 (8 ranks, 2 servers)
 STEPS = 4
 EXACT_TOLERANCE = 1e-5  # fp32 sums in another order: measured ~1e-7 on losses and weights (tests/parallel)
+# 4 layers: two chunks per rank on two pipeline stages (looped and V schedules)
+MODEL = GPTConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True)
 BASE_ARGS = [
-    "--model.n_layer=4",  # two chunks per rank on two pipeline stages (looped and V schedules)
-    "--model.n_head=2",
-    "--model.d_model=32",
-    "--model.block_size=32",
-    "--model.vocab_size=256",
-    "--model.dropout=0",
+    *(f"--model.{name}={_toml(value)}" for name, value in vars(MODEL).items()),
     "--data.tokenizer=byte",
     f"--train.steps={STEPS}",
     "--train.seed=7",
@@ -70,10 +73,6 @@ def name_matches(name: str, word: str) -> bool:
     """`--only` words select by name: the whole name, or the start of one of its dash-separated parts
     (`zero` selects zero1..3 and 2d-zero3-tp2, not pp2-interleaved_zero_bubble)."""
     return word == name or any(part.startswith(word) for part in name.split("-"))
-
-
-def _toml(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def reference_layout() -> Layout:

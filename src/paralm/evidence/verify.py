@@ -19,13 +19,14 @@ from paralm.errors import UserError
 from paralm.evidence.matrix import (
     EXACT_TOLERANCE,
     GLOBAL_BATCH,
+    MODEL,
     Layout,
     exact_layouts,
     name_matches,
     reference_layout,
 )
 from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
-from paralm.model import GPT, GPTConfig
+from paralm.model import GPT
 
 
 @dataclass
@@ -92,25 +93,21 @@ def _within(
     return Verdict(name, ranks, loss, None, weights, f"{bound:.0e}", max(loss, weights) <= bound, guarantee)
 
 
-def bf16_autocast(matrix: Matrix, n: int) -> Verdict:
-    return _within(
-        matrix, "bf16-autocast", n, {"precision.dtype": "bf16"}, None, 5e-2,
+# name: (settings, bound on |Δloss| and |Δweight| vs one process, what it guarantees)
+ROUNDED = {
+    "bf16-autocast": (
+        {"precision.dtype": "bf16"},
+        5e-2,
         "bf16 compute (fp32 master weights) stays within 5e-2 of fp32",
-    )  # fmt: skip
+    ),
+    "fp16-compression": ({"comm.compression": "fp16"}, 1e-3, "gradients rounded to fp16 on the wire: within 1e-3"),
+    "bf16-compression": ({"comm.compression": "bf16"}, 1e-2, "gradients rounded to bf16 on the wire: within 1e-2"),
+}
 
 
-def fp16_compression(matrix: Matrix, n: int) -> Verdict:
-    return _within(
-        matrix, "fp16-compression", n, {"comm.compression": "fp16"}, None, 1e-3,
-        "gradients rounded to fp16 (11-bit mantissa) on the wire: within 1e-3",
-    )  # fmt: skip
-
-
-def bf16_compression(matrix: Matrix, n: int) -> Verdict:
-    return _within(
-        matrix, "bf16-compression", n, {"comm.compression": "bf16"}, None, 1e-2,
-        "gradients rounded to bf16 (8-bit mantissa) on the wire: within 1e-2",
-    )  # fmt: skip
+def rounded(name: str) -> Callable[[Matrix, int], Verdict]:
+    settings, bound, guarantee = ROUNDED[name]
+    return lambda matrix, n: _within(matrix, name, n, settings, None, bound, guarantee)
 
 
 def diloco_as_local_sgd(matrix: Matrix, n: int) -> Verdict:
@@ -148,7 +145,7 @@ def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     ratio, bucket_mb = 0.01, 25.0
     settings = {"comm.compression": "topk", "comm.topk_ratio": ratio, "comm.bucket_mb": bucket_mb}
     run = matrix.train(Layout("topk", n, settings))
-    numel = GPT(_verify_model()).num_params(exclude_position_embedding=False)
+    numel = GPT(MODEL).num_params(exclude_position_embedding=False)
     buckets = math.ceil(4 * numel / (bucket_mb * 2**20)) + 1  # DDP's first bucket is a small one
     per_rank_values = math.ceil(ratio * numel) + buckets  # sum over buckets of ceil(ratio x bucket size)
     bound = n * (n - 1) * 8 * per_rank_values  # each rank's values + int32 indices reach the n - 1 others
@@ -160,14 +157,8 @@ def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     )  # fmt: skip
 
 
-def _verify_model() -> GPTConfig:
-    return GPTConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256)
-
-
 APPROXIMATE: dict[str, Callable[[Matrix, int], Verdict]] = {
-    "bf16-autocast": bf16_autocast,
-    "fp16-compression": fp16_compression,
-    "bf16-compression": bf16_compression,
+    **{name: rounded(name) for name in ROUNDED},
     "powersgd": powersgd_warm_start,
     "topk": topk_bytes,
     "diloco": diloco_as_local_sgd,
