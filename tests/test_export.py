@@ -13,6 +13,8 @@ import torch
 
 from paralm.cli import main
 from paralm.config import load_config
+from paralm.data.shards import read_meta
+from paralm.data.tokenizer import load_tokenizer
 from paralm.export import byte_tokenizer
 from paralm.generate import generate_from_run
 from paralm.runs import load_trained_model
@@ -167,3 +169,24 @@ def test_bad_run_or_out_is_one_line_and_writes_nothing(one_process_run, tmp_path
     assert "not empty" in capsys.readouterr().err
     assert [p.name for p in occupied.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["occupied"]
+
+
+@pytest.mark.slow
+def test_a_bpe_run_exports_its_tokenizer_and_imports_with_its_data(tmp_path):
+    bpe = {"tokenizer": "bpe", "bpe_vocab_size": 320}
+    config = tiny_config(tmp_path / "bpe", data=bpe, model={"vocab_size": 320}, train={"steps": 2})
+    train(config)
+    export(config.run.dir, tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = load_trained_model(config.run.dir)
+    text = "The object's attributes"
+    ours_tokenizer = load_tokenizer("bpe", ours.data_dir)
+    assert tokenizer(text)["input_ids"] == ours_tokenizer.encode(text) != list(text.encode())
+    assert_same_logits(config.run.dir, tmp_path / "hf")
+
+    run = tmp_path / "imported"
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    imported = load_config(run / "config.toml")
+    assert imported.data.path == str(run / "data") and read_meta(run / "data")["tokenizer"] == "bpe"
+    prompt = "The "
+    assert generate_from_run(str(run), prompt, 8, 0, 0) == generate_from_run(str(config.run.dir), prompt, 8, 0, 0)

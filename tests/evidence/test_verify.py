@@ -40,3 +40,10 @@ def test_verify_refuses_one_rank_and_selections_that_select_nothing(capsys):
     assert main(["verify", "--nproc", "1"]) == 2
     assert main(["verify", "--nproc", "2", "--only", "nothing-like-this"]) == 2
     assert capsys.readouterr().err.count("paralm: error:") == 2
+
+
+@pytest.mark.slow
+def test_verify_holds_the_parameter_servers_and_diloco_to_their_guarantees(tmp_path):
+    verdicts = verify(2, ["ps", "diloco"], tmp_path, echo=lambda _: None)
+    assert [v.layout for v in verdicts] == ["ps-sync-1s1w", "diloco-lr1-m0", "ps-async-1w"]
+    assert all(v.holds and v.weight_gap <= 1e-5 for v in verdicts), table(verdicts)
