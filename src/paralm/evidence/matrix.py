@@ -113,5 +113,6 @@ def exact_layouts(n: int) -> list[Layout]:
     ps = {"sync.mode": "parameter_server", "sync.ps_servers": servers}
     unlogged = "the parameter server logs grad_norm 0 when clipping is off"
     layouts.append(Layout(f"ps-sync-{servers}s{n - servers}w", n, ps, servers, ("ps",), unlogged))
-    layouts.append(Layout("local-sgd-h1", n, {"sync.mode": "local_sgd", "sync.local_steps": 1}, tags=("sync",)))
+    local = "each replica logs its own gradient's norm (local SGD all-reduces weights, not gradients)"
+    layouts.append(Layout("local-sgd-h1", n, {"sync.mode": "local_sgd", "sync.local_steps": 1}, 0, ("sync",), local))
     return layouts
