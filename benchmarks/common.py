@@ -15,8 +15,18 @@ def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: i
     """Median per-step metrics of a fresh `paralm train` run, skipping its first `warmup_steps` steps."""
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        command = [sys.executable, "-m", "paralm", "train", *args, f"--run.dir={run_dir}", f"--nproc={nproc}",
-                   "--log.tensorboard=false", "--train.eval_every=0", "--train.eval_samples=8"]
+        command = [
+            sys.executable,
+            "-m",
+            "paralm",
+            "train",
+            *args,
+            f"--run.dir={run_dir}",
+            f"--nproc={nproc}",
+            "--log.tensorboard=false",
+            "--train.eval_every=0",
+            "--train.eval_samples=8",
+        ]
         subprocess.run(command, check=True, env=env, capture_output=True, text=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = rows[warmup_steps:]

@@ -17,8 +17,15 @@ from common import print_table, train_metrics
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "tiny": ["--config", str(ROOT / "configs/tiny.toml")],
-    "6x384": ["--config", str(ROOT / "configs/tiny.toml"), "--model.n_layer=6", "--model.n_head=6",
-              "--model.d_model=384", "--model.block_size=256", "--train.micro_batch_size=12"],
+    "6x384": [
+        "--config",
+        str(ROOT / "configs/tiny.toml"),
+        "--model.n_layer=6",
+        "--model.n_head=6",
+        "--model.d_model=384",
+        "--model.block_size=256",
+        "--train.micro_batch_size=12",
+    ],
 }
 # (label, processes, threads per process)
 LAYOUTS = [("1 proc x 2 threads", 1, 2), ("1 proc x 1 thread", 1, 1), ("DDP 2 procs x 1 thread", 2, 1)]
@@ -36,17 +43,31 @@ def main() -> None:
             for label, nproc, threads in LAYOUTS:
                 # the same global batch for every layout: DDP halves the per-rank micro-batch
                 results[model, dtype, label] = train_metrics(
-                    [*MODELS[model], f"--precision.dtype={dtype}", f"--train.steps={args.steps}",
-                     f"--train.micro_batch_size={global_batch // nproc}"],
-                    threads=threads, nproc=nproc,
+                    [
+                        *MODELS[model],
+                        f"--precision.dtype={dtype}",
+                        f"--train.steps={args.steps}",
+                        f"--train.micro_batch_size={global_batch // nproc}",
+                    ],
+                    threads=threads,
+                    nproc=nproc,
                 )
     rows = []
     for (model, dtype, label), m in results.items():
         fp32 = results[model, "fp32", label]["tokens_per_s"]
         one_thread = results[model, dtype, LAYOUTS[1][0]]["tokens_per_s"]
-        rows.append([model, dtype, label, f"{m['tokens_per_s']:,.0f}", f"{100 * m['mfu']:.1f}%",
-                     f"{m['peak_mem_bytes'] / 2**20:,.0f}", f"{m['tokens_per_s'] / fp32:.2f}",
-                     f"{m['tokens_per_s'] / one_thread:.2f}"])
+        rows.append(
+            [
+                model,
+                dtype,
+                label,
+                f"{m['tokens_per_s']:,.0f}",
+                f"{100 * m['mfu']:.1f}%",
+                f"{m['peak_mem_bytes'] / 2**20:,.0f}",
+                f"{m['tokens_per_s'] / fp32:.2f}",
+                f"{m['tokens_per_s'] / one_thread:.2f}",
+            ]
+        )
     print_table(["model", "dtype", "layout", "tokens/s", "MFU", "peak MiB/rank", "x fp32", "x 1 thread"], rows)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from paralm.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -59,8 +60,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.data.prepare import prepare_dataset
 
-    if overrides:
-        raise UserError(f"`paralm data prepare` takes no config overrides, got {' '.join(overrides)}")
+    _no_overrides("data prepare", overrides)
     summary = prepare_dataset(
         inputs=args.input,
         out=args.out,
@@ -70,6 +70,54 @@ def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     print(summary)
     return 0
+
+
+def _export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.export import export_run
+
+    _no_overrides("export", overrides)
+    print(export_run(args.run, args.out, checkpoint=args.checkpoint))
+    return 0
+
+
+def _import(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.export import import_hf
+
+    print(import_hf(args.hf, args.out, args.config, overrides))
+    return 0
+
+
+def _verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    import tempfile
+
+    from paralm.evidence.verify import echo_err, table, verify
+
+    _no_overrides("verify", overrides)
+    if args.nproc < 2:
+        raise UserError(f"--nproc {args.nproc}: verify compares layouts of at least 2 ranks with one process")
+    only = [word.strip() for word in (args.only or "").split(",") if word.strip()]
+    with tempfile.TemporaryDirectory(prefix="paralm-verify-", dir=args.work) as work:
+        verdicts = verify(args.nproc, only, Path(work), echo_err)
+    print(table(verdicts))
+    return 0 if all(v.holds for v in verdicts) else 1
+
+
+def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.evidence.compare import compare, default_layouts, parse_layout, summary_table
+    from paralm.evidence.verify import echo_err
+
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc} must be at least 1")
+    layouts = [parse_layout(text) for text in args.layout] if args.layout else default_layouts(args.nproc)
+    summary = compare(args.config, args.nproc, layouts, overrides, Path(args.out), echo_err)
+    print(summary_table(summary))
+    print(f"wrote {Path(args.out) / 'report.html'} and {Path(args.out) / 'summary.json'}")
+    return 0
+
+
+def _no_overrides(verb: str, overrides: list[str]) -> None:
+    if overrides:
+        raise UserError(f"`paralm {verb}` takes no config overrides, got {' '.join(overrides)}")
 
 
 def _config_args(args: argparse.Namespace) -> list[str]:
@@ -103,6 +151,37 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all")
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=_generate)
+
+    export = verbs.add_parser("export", help="write a run's model as a Hugging Face transformers GPT-2 folder")
+    export.add_argument("--run", required=True, help="run directory")
+    export.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
+    export.add_argument("--out", required=True, help="new output folder (config.json, model.safetensors, tokenizer)")
+    export.set_defaults(func=_export)
+
+    importer = verbs.add_parser("import", help="start a run from a Hugging Face GPT-2 folder (step-0 checkpoint)")
+    importer.add_argument("--hf", required=True, help="folder saved by transformers' save_pretrained")
+    importer.add_argument("--out", required=True, help="new run directory")
+    importer.add_argument("--config", help="TOML config for the fine-tuning run (the model section comes from --hf)")
+    importer.set_defaults(func=_import)
+
+    check = verbs.add_parser(
+        "verify", help="train every exact layout that fits N ranks and compare it with one process"
+    )
+    check.add_argument("--nproc", type=int, default=4, help="ranks available (layouts use up to this many)")
+    check.add_argument("--only", help="comma-separated words: layouts whose name contains one, e.g. zero,tp,pp")
+    check.add_argument("--work", help="folder for the runs' temporary directory (default: the system's)")
+    check.set_defaults(func=_verify)
+
+    comparison = verbs.add_parser("compare", help="train several layouts on the same data and report what each costs")
+    comparison.add_argument("--config", help="TOML config file shared by every layout")
+    comparison.add_argument("--nproc", type=int, default=2, help="ranks for every layout")
+    comparison.add_argument(
+        "--layout",
+        action="append",
+        help='NAME=ARGS, repeatable, e.g. "zero3=--parallel.zero=3" (default: a set for --nproc)',
+    )
+    comparison.add_argument("--out", required=True, help="folder for report.html, summary.json and the runs")
+    comparison.set_defaults(func=_compare)
 
     data = verbs.add_parser("data", help="prepare token shards from text")
     data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")

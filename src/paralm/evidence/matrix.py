@@ -1,0 +1,117 @@
+"""The layouts `paralm verify` trains, for a number of ranks: one definition for the CLI and the tests.
+
+Every run trains the same tiny model (dropout 0) on the same global batch of `GLOBAL_BATCH` sequences
+with plain SGD, whose update is linear in the gradient: rounding differences stay rounding-sized, so
+final weights can be compared (AdamW divides by sqrt(v) and can turn 1e-7 of noise on a near-zero
+gradient into a full step). Gradient clipping is off so that local SGD with H = 1 (each replica clips
+its own gradient otherwise) is exact too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paralm.model import GPTConfig
+from paralm.pipeline_schedules import PIPELINE_SCHEDULES, fewest_stages_per_rank
+
+
+def _toml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+GLOBAL_BATCH = 24  # divisible by every data-parallel degree of up to 4 ranks, and by 6 (8 ranks, 2 servers)
+STEPS = 4
+EXACT_TOLERANCE = 1e-5  # fp32 sums in another order: measured ~1e-7 on losses and weights (tests/parallel)
+# 4 layers: two chunks per rank on two pipeline stages (looped and V schedules)
+MODEL = GPTConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True)
+BASE_ARGS = [
+    *(f"--model.{name}={_toml(value)}" for name, value in vars(MODEL).items()),
+    "--data.tokenizer=byte",
+    f"--train.steps={STEPS}",
+    "--train.seed=7",
+    "--train.optimizer=sgd",
+    "--train.lr=0.3",
+    "--train.warmup_steps=1",
+    "--train.decay_steps=50",
+    "--train.grad_clip=0",
+    "--train.grad_accum=1",
+    "--train.global_batch_size=0",
+    "--train.eval_every=0",
+    "--train.eval_samples=8",
+    "--precision.dtype=fp32",
+    "--checkpoint.every=0",
+    "--checkpoint.resume=none",
+    "--log.tensorboard=false",
+    "--log.progress=false",
+]
+
+
+@dataclass
+class Layout:
+    name: str
+    ranks: int
+    settings: dict[str, object]  # section.field: value
+    servers: int = 0
+    tags: tuple[str, ...] = field(default=())
+    grad_norm_unchecked: str = ""  # why this layout's logged gradient norm is not compared, if it is not
+
+    @property
+    def dp(self) -> int:
+        model_parallel = int(self.settings.get("parallel.tp", 1)) * int(self.settings.get("parallel.pp", 1))
+        return (self.ranks - self.servers) // model_parallel
+
+    def args(self) -> list[str]:
+        """Overrides on top of `BASE_ARGS`; the micro-batch keeps the global batch at `GLOBAL_BATCH`."""
+        batch = {"train.micro_batch_size": GLOBAL_BATCH // self.dp}
+        return [*BASE_ARGS, *(f"--{k}={_toml(v)}" for k, v in (batch | self.settings).items())]
+
+    def matches(self, only: list[str]) -> bool:
+        return not only or any(word in self.tags or name_matches(self.name, word) for word in only)
+
+
+def name_matches(name: str, word: str) -> bool:
+    """`--only` words select by name: the whole name, or the start of one of its dash-separated parts
+    (`zero` selects zero1..3 and 2d-zero3-tp2, not pp2-interleaved_zero_bubble)."""
+    return word == name or any(part.startswith(word) for part in name.split("-"))
+
+
+def reference_layout() -> Layout:
+    return Layout("one process", 1, {})
+
+
+def exact_layouts(n: int) -> list[Layout]:
+    """Every exact strategy that fits on n ranks (n >= 2)."""
+    layouts = [Layout("ddp", n, {}, tags=("dp",))]
+    layouts.append(
+        Layout("ddp-compression-none", n, {"comm.compression": "none", "comm.bucket_mb": 0.01}, tags=("dp",))
+    )
+    layouts += [Layout(f"zero{stage}", n, {"parallel.zero": stage}) for stage in (1, 2, 3)]
+    if n >= 4 and n % 2 == 0:
+        hsdp = {"parallel.zero": 3, "parallel.dp_replicate": 2, "parallel.dp_shard": n // 2}
+        layouts.append(Layout(f"hsdp-2x{n // 2}", n, hsdp, tags=("zero",)))
+    if n % 2 == 0:
+        layouts.append(Layout("tp2", n, {"parallel.tp": 2}))
+        layouts.append(Layout("tp2-sp", n, {"parallel.tp": 2, "parallel.sequence_parallel": True}, tags=("tp",)))
+        for schedule in PIPELINE_SCHEDULES:
+            pipeline = {
+                "parallel.pp": 2,
+                "parallel.pp_schedule": schedule,
+                "parallel.pp_virtual_stages": fewest_stages_per_rank(schedule),
+                "parallel.pp_microbatches": 4,
+            }
+            layouts.append(Layout(f"pp2-{schedule}", n, pipeline))
+    if n >= 4 and n % 4 == 0:
+        layouts.append(Layout(f"2d-tp2-dp{n // 2}", n, {"parallel.tp": 2}, tags=("tp", "dp")))
+        layouts.append(Layout(f"2d-zero3-tp2-dp{n // 2}", n, {"parallel.tp": 2, "parallel.zero": 3}, tags=("tp",)))
+        layouts.append(Layout(f"2d-pp2-dp{n // 2}", n, {"parallel.pp": 2, "parallel.pp_microbatches": 4}))
+        layouts.append(Layout("2d-pp2-tp2", 4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4}))
+    if n >= 8 and n % 8 == 0:
+        three_d = {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4}
+        layouts.append(Layout(f"3d-pp2-tp2-dp{n // 4}", n, three_d, tags=("pp", "tp", "dp")))
+    servers = next(s for s in range(1, n) if GLOBAL_BATCH % (n - s) == 0)
+    ps = {"sync.mode": "parameter_server", "sync.ps_servers": servers}
+    unlogged = "the parameter server logs grad_norm 0 when clipping is off"
+    layouts.append(Layout(f"ps-sync-{servers}s{n - servers}w", n, ps, servers, ("ps",), unlogged))
+    local = "each replica logs its own gradient's norm (local SGD all-reduces weights, not gradients)"
+    layouts.append(Layout("local-sgd-h1", n, {"sync.mode": "local_sgd", "sync.local_steps": 1}, 0, ("sync",), local))
+    return layouts

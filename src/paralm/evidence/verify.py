@@ -1,0 +1,208 @@
+"""`paralm verify`: train every layout that fits on N ranks and compare it with one process.
+
+Exact layouts must match one process's losses, gradient norms and final weights within
+`EXACT_TOLERANCE`. Approximate methods are held to the property they do guarantee, each with its own
+measured check (see `APPROXIMATE`). The test suite calls `verify` on a reduced matrix, so CI and users
+run one definition.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from paralm.errors import UserError
+from paralm.evidence.matrix import (
+    EXACT_TOLERANCE,
+    GLOBAL_BATCH,
+    MODEL,
+    Layout,
+    exact_layouts,
+    name_matches,
+    reference_layout,
+)
+from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
+from paralm.model import GPT
+
+
+@dataclass
+class Trained:
+    rows: list[dict]
+    weights: dict
+
+    def series(self, key: str) -> list[float | None]:
+        return [row.get(key) for row in self.rows]
+
+
+@dataclass
+class Verdict:
+    layout: str
+    ranks: int
+    loss_gap: float | None
+    grad_norm_gap: float | None
+    weight_gap: float | None
+    tolerance: str
+    holds: bool
+    guarantee: str = "equals one process"
+    measured: str = ""
+
+
+class Matrix:
+    """Trains layouts into a work folder, each once, and the one-process reference they are held to."""
+
+    def __init__(self, work: Path, echo: Callable[[str], None]) -> None:
+        self.work, self.echo, self._done = work, echo, {}
+
+    def train(self, layout: Layout) -> Trained:
+        if layout.name not in self._done:
+            started = time.perf_counter()
+            run = train_run(Run(layout.name, layout.ranks, layout.args(), self.work / _slug(layout.name)))
+            self._done[layout.name] = Trained(step_rows(run.dir), final_weights(run.dir))
+            self.echo(f"  trained {layout.name} on {layout.ranks} rank(s) in {time.perf_counter() - started:.0f} s")
+        return self._done[layout.name]
+
+    def reference(self) -> Trained:
+        return self.train(reference_layout())
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+def check_exact(matrix: Matrix, layout: Layout) -> Verdict:
+    ref, run = matrix.reference(), matrix.train(layout)
+    loss, weights = max_gap(ref.series("loss"), run.series("loss")), weight_gap(ref.weights, run.weights)
+    norm = None if layout.grad_norm_unchecked else max_gap(ref.series("grad_norm"), run.series("grad_norm"))
+    holds = max(loss, weights, norm or 0.0) <= EXACT_TOLERANCE
+    guarantee = "equals one process" + (f" (grad norm not compared: {layout.grad_norm_unchecked})" * bool(norm is None))
+    return Verdict(layout.name, layout.ranks, loss, norm, weights, f"{EXACT_TOLERANCE:.0e}", holds, guarantee)
+
+
+def _within(matrix: Matrix, layout: Layout, against: Trained | None, bound: float, guarantee: str) -> Verdict:
+    """A layout whose losses (and weights) stay within `bound` of `against` (default: one process)."""
+    against = against or matrix.reference()
+    run = matrix.train(layout)
+    loss, weights = max_gap(against.series("loss"), run.series("loss")), weight_gap(against.weights, run.weights)
+    return Verdict(
+        layout.name, layout.ranks, loss, None, weights, f"{bound:.0e}", max(loss, weights) <= bound, guarantee
+    )
+
+
+# name: (settings, bound on |Δloss| and |Δweight| vs one process, what it guarantees)
+ROUNDED = {
+    "bf16-autocast": (
+        {"precision.dtype": "bf16"},
+        5e-2,
+        "bf16 compute (fp32 master weights) stays within 5e-2 of fp32",
+    ),
+    "fp16-compression": ({"comm.compression": "fp16"}, 1e-3, "gradients rounded to fp16 on the wire: within 1e-3"),
+    "bf16-compression": ({"comm.compression": "bf16"}, 1e-2, "gradients rounded to bf16 on the wire: within 1e-2"),
+}
+
+
+def rounded(name: str) -> Callable[[Matrix, int], Verdict]:
+    settings, bound, guarantee = ROUNDED[name]
+    return lambda matrix, n: _within(matrix, Layout(name, n, settings), None, bound, guarantee)
+
+
+def diloco_as_local_sgd(matrix: Matrix, n: int) -> Verdict:
+    local = matrix.train(Layout("local-sgd-h2", n, {"sync.mode": "local_sgd", "sync.local_steps": 2}))
+    settings = {"sync.mode": "diloco", "sync.local_steps": 2, "sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}
+    guarantee = "outer lr 1, momentum 0 equals local SGD (H = 2)"
+    return _within(matrix, Layout("diloco-lr1-m0", n, settings), local, EXACT_TOLERANCE, guarantee)
+
+
+def async_one_worker(matrix: Matrix, n: int) -> Verdict:
+    settings = {"sync.mode": "parameter_server", "sync.ps_servers": 1, "sync.ps_async": True}
+    guarantee = "with one worker nothing is stale: equals one process"
+    return _within(matrix, Layout("ps-async-1w", 2, settings, servers=1), None, EXACT_TOLERANCE, guarantee)
+
+
+def powersgd_warm_start(matrix: Matrix, n: int) -> Verdict:
+    start = 2
+    settings = {"comm.compression": "powersgd", "comm.powersgd_rank": 1, "comm.powersgd_start_step": start}
+    ref, run = matrix.reference(), matrix.train(Layout("powersgd", n, settings))
+    plain = max_gap(ref.series("loss")[: start + 1], run.series("loss")[: start + 1])
+    sent = run.series("comm_bytes")
+    compressed = bool(sent[0]) and bool(sent[-1]) and sent[-1] < sent[0] / 2
+    measured = f"bytes/step {sent[0]} -> {sent[-1]}" if compressed else f"bytes/step {sent}: not compressed"
+    return Verdict(
+        "powersgd", n, plain, None, None, f"{EXACT_TOLERANCE:.0e}", plain <= EXACT_TOLERANCE and compressed,
+        f"plain all-reduce before step {start} (losses 0..{start} exact), then < 1/2 the bytes", measured,
+    )  # fmt: skip
+
+
+def topk_bytes(matrix: Matrix, n: int) -> Verdict:
+    ratio, bucket_mb = 0.01, 25.0
+    settings = {"comm.compression": "topk", "comm.topk_ratio": ratio, "comm.bucket_mb": bucket_mb}
+    run = matrix.train(Layout("topk", n, settings))
+    numel = GPT(MODEL).num_params(exclude_position_embedding=False)
+    buckets = math.ceil(4 * numel / (bucket_mb * 2**20)) + 1  # DDP's first bucket is a small one
+    per_rank_values = math.ceil(ratio * numel) + buckets  # sum over buckets of ceil(ratio x bucket size)
+    bound = n * (n - 1) * 8 * per_rank_values  # each rank's values + int32 indices reach the n - 1 others
+    sent = run.series("comm_bytes")
+    holds = all(s is not None and 0 < s <= bound for s in sent)
+    return Verdict(
+        "topk", n, None, None, None, f"{bound:,} B/step", holds,
+        f"each rank sends at most k = ceil({ratio} x size) values per bucket", f"bytes/step {sent}",
+    )  # fmt: skip
+
+
+APPROXIMATE: dict[str, Callable[[Matrix, int], Verdict]] = {
+    **{name: rounded(name) for name in ROUNDED},
+    "powersgd": powersgd_warm_start,
+    "topk": topk_bytes,
+    "diloco": diloco_as_local_sgd,
+    "ps-async": async_one_worker,
+}
+
+
+def verify(nproc: int, only: list[str], work: Path, echo: Callable[[str], None] = print) -> list[Verdict]:
+    """Train and check the selected layouts; the reference must itself have trained (loss went down)."""
+    matrix = Matrix(work, echo)
+    exact = [layout for layout in exact_layouts(nproc) if layout.matches(only)]
+    approximate = [check for name, check in APPROXIMATE.items() if not only or any(name_matches(name, w) for w in only)]
+    if not exact and not approximate:
+        raise UserError(f"--only {','.join(only)} selects no layout for {nproc} ranks")
+    echo(f"paralm verify: {len(exact)} exact layouts and {len(approximate)} approximate methods on {nproc} ranks, "
+         f"global batch {GLOBAL_BATCH}")  # fmt: skip
+    reference = matrix.reference()
+    losses = reference.series("loss")
+    if not losses[-1] < losses[0]:
+        raise RuntimeError(f"the one-process reference did not train (losses {losses}): nothing to compare with")
+    verdicts = [check_exact(matrix, layout) for layout in exact]
+    return verdicts + [check(matrix, nproc) for check in approximate]
+
+
+def table(verdicts: list[Verdict]) -> str:
+    header = (
+        "layout",
+        "ranks",
+        "max |Δloss|",
+        "max |Δgrad norm|",
+        "max |Δweight|",
+        "tolerance",
+        "verdict",
+        "guarantee",
+    )
+    rows = [header]
+    for v in verdicts:
+        extra = f"{v.guarantee}{'; ' + v.measured if v.measured else ''}"
+        rows.append((v.layout, str(v.ranks), _num(v.loss_gap), _num(v.grad_norm_gap), _num(v.weight_gap), v.tolerance,
+                     "holds" if v.holds else "FAILS", extra))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows]
+    held = sum(v.holds for v in verdicts)
+    return "\n".join([*lines, f"{held}/{len(verdicts)} hold"])
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def echo_err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

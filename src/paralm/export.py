@@ -1,0 +1,199 @@
+"""`paralm export` and `paralm import`: a run's model as a Hugging Face GPT-2 folder, and back.
+
+Export reads the run's checkpoint through DCP, which gathers any layout (DDP, ZeRO-3, TP, PP) into
+one process's unsharded model, and writes `config.json`, `model.safetensors` and a `tokenizer.json`
+that `transformers.AutoModelForCausalLM` / `AutoTokenizer` load. Import turns such a folder (or any
+GPT-2 that computes what paralm's model computes) into a run directory with a step-0 checkpoint, so
+`paralm train` fine-tunes it. Both write into a temporary folder and rename it when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from paralm.config import CONFIG_FILE, Config, ParallelConfig, load_config
+from paralm.data.corpus import default_corpus
+from paralm.data.prepare import write_dataset
+from paralm.data.shards import read_meta
+from paralm.data.tokenizer import BPE_FILE, END_OF_TEXT, BPETokenizer
+from paralm.errors import UserError
+from paralm.hf import from_hf_gpt2_state_dict, hf_gpt2_config_kwargs, model_config_from_hf, to_hf_gpt2_state_dict
+from paralm.model import GPT
+from paralm.parallel.runtime import init_runtime
+from paralm.parallel.sync import SyncStrategy, TrainingState
+from paralm.runs import load_trained_model
+from paralm.train.checkpoint import save_checkpoint, trainer_state
+from paralm.train.optim import build_optimizer
+
+WEIGHTS_FILE = "model.safetensors"
+HF_CONFIG_FILE = "config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+@contextmanager
+def _atomic_folder(out: Path) -> Iterator[Path]:
+    """A temporary sibling of `out`, renamed to `out` when the block succeeds and removed when it fails."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} already exists and is not empty: choose a new --out folder")
+    if not out.parent.is_dir():
+        raise UserError(f"the parent folder of --out {out} does not exist: create it first")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others for
+    characters from 256 up, so every byte is one visible character (what `tokenizers.ByteLevel` uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def byte_tokenizer():
+    """paralm's byte tokenizer as a `tokenizers.Tokenizer`: token id = byte value, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _is_byte_tokenizer(path: Path) -> bool:
+    """Whether a tokenizer file is paralm's byte tokenizer (every byte its own id, no merges)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab() == byte_tokenizer().get_vocab()
+
+
+def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
+    """Write the run's model as a transformers GPT-2 folder; returns a one-line summary."""
+    from safetensors.torch import save_file
+
+    loaded = load_trained_model(run_dir, checkpoint)
+    kwargs = hf_gpt2_config_kwargs(loaded.model)
+    meta = read_meta(loaded.data_dir)
+    tokenizer = BPETokenizer.load(loaded.data_dir) if meta["tokenizer"] == "bpe" else BPETokenizer(byte_tokenizer())
+    eot = tokenizer.eot_id
+    hf_config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        **kwargs,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+    }
+    weights = to_hf_gpt2_state_dict(loaded.model.cpu())
+    del weights["lm_head.weight"]  # tied: transformers restores it from the embedding
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": kwargs["n_positions"]}
+    if eot is not None:
+        tokenizer_config |= {"eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT}
+    out_dir = Path(out)
+    with _atomic_folder(out_dir) as tmp:
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=1))
+        tokenizer.save(tmp)
+        (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1))
+    return (
+        f"{out_dir}: GPT-2 ({loaded.model.num_params() / 1e6:.2f}M parameters, {meta['tokenizer']} tokenizer) "
+        f"from {loaded.checkpoint}; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out_dir)!r})"
+    )
+
+
+def _read_hf_folder(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not hf_dir.is_dir():
+        raise UserError(f"--hf {hf_dir} is not a folder: pass a folder saved with transformers' save_pretrained")
+    config_path, weights_path = hf_dir / HF_CONFIG_FILE, hf_dir / WEIGHTS_FILE
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{config_path} is missing or not JSON ({e}): pass a transformers model folder") from None
+    if not weights_path.is_file():
+        raise UserError(
+            f"{weights_path} does not exist: paralm reads only safetensors (it never unpickles "
+            "pytorch_model.bin); save the model with save_pretrained(..., safe_serialization=True)"
+        )
+    try:
+        return hf_config, load_file(str(weights_path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{weights_path} cannot be read ({e}): save the model again") from None
+
+
+def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> tuple[list[str], str]:
+    """Config overrides for the data the model's tokenizer reads, and a sentence saying which."""
+    path = hf_dir / BPE_FILE
+    if not path.is_file():
+        return ["--data.tokenizer=byte"], f"no {BPE_FILE} in {hf_dir}: the run reads byte tokens"
+    tokenizer = BPETokenizer.load(hf_dir)  # a readable tokenizer file, or a one-line error
+    if _is_byte_tokenizer(path):
+        return ["--data.tokenizer=byte"], "byte tokenizer"
+    write_dataset(list(default_corpus()), tmp / "data", tokenizer, val_fraction)
+    return [f"--data.path={out / 'data'}"], f"the model's BPE tokenizer on the embedded corpus in {out / 'data'}"
+
+
+def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[str]) -> str:
+    """Create a run directory whose step-0 checkpoint holds the HF GPT-2's weights; returns a summary."""
+    hf_path, out_dir = Path(hf_dir), Path(out)
+    hf_config, hf_weights = _read_hf_folder(hf_path)
+    model_config = model_config_from_hf(hf_config, str(hf_path / HF_CONFIG_FILE))
+    model_args = [f"--model.{k}={v}" for k, v in vars(model_config).items()]
+    with _atomic_folder(out_dir) as tmp:
+        base = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *overrides])
+        data_args, data_note = _data_overrides(hf_path, tmp, out_dir, base.data.val_fraction)
+        config = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *data_args, *overrides])
+        changed = [k for k, v in vars(config.model).items() if k != "dropout" and v != getattr(model_config, k)]
+        if changed:
+            raise UserError(f"model.{changed[0]} is fixed by the imported model's {HF_CONFIG_FILE}: do not override it")
+        model = GPT(config.model)
+        state = from_hf_gpt2_state_dict(hf_weights, config.model, str(hf_path / WEIGHTS_FILE))
+        try:
+            model.load_state_dict(state, strict=False)  # lm_head.weight is the tied embedding
+        except RuntimeError as e:
+            raise UserError(f"{hf_path / WEIGHTS_FILE}: {str(e).splitlines()[-1].strip()}") from None
+        optimizer = _fresh_optimizer_state(model, config)
+        runtime = init_runtime(ParallelConfig())
+        state = trainer_state(0, 0, config.model.block_size, runtime.world_size)
+        save_checkpoint(tmp, 0, TrainingState(model, optimizer, SyncStrategy()), state, config, runtime)
+        (tmp / CONFIG_FILE).write_text(config.to_toml())
+    return (
+        f"{out_dir}: step-0 checkpoint of {hf_path} ({model.num_params() / 1e6:.2f}M parameters; {data_note}); "
+        f"fine-tune with: paralm train --config {out_dir / CONFIG_FILE}"
+    )
+
+
+def _fresh_optimizer_state(model: GPT, config: Config) -> torch.optim.Optimizer:
+    """The configured optimizer with its state tensors created (DCP saves and loads them by name) and its
+    step counters at 0, so the first fine-tuning step is the optimizer's first (AdamW's bias correction)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    optimizer = build_optimizer(model, config.train)
+    get_optimizer_state_dict(model, optimizer)  # creates the state with one zero-learning-rate step
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+    return optimizer

@@ -1,0 +1,49 @@
+"""`paralm verify`'s own definition, run on a reduced matrix: the layouts CI checks are the ones users check."""
+
+import pytest
+
+from paralm.cli import main
+from paralm.evidence.matrix import GLOBAL_BATCH, Layout, exact_layouts
+from paralm.evidence.verify import Matrix, check_exact, table, verify
+
+
+@pytest.mark.slow
+def test_verify_on_two_ranks_holds_for_sharded_tensor_and_pipeline_layouts(tmp_path):
+    verdicts = verify(2, ["zero3", "tp2-sp", "pp2-interleaved_1f1b"], tmp_path, echo=lambda _: None)
+    assert [v.layout for v in verdicts] == ["zero3", "tp2-sp", "pp2-interleaved_1f1b"]
+    for v in verdicts:
+        assert v.holds and max(v.loss_gap, v.grad_norm_gap, v.weight_gap) <= 1e-5, table(verdicts)
+
+
+@pytest.mark.slow
+def test_a_layout_that_trains_differently_fails_the_check(tmp_path):
+    matrix = Matrix(tmp_path, echo=lambda _: None)
+    different = Layout("ddp-other-lr", 2, {"train.lr": 0.31})  # a 3% change of the learning rate
+    verdict = check_exact(matrix, different)
+    assert not verdict.holds and verdict.weight_gap > 1e-4
+    assert "FAILS" in table([verdict])
+
+
+def test_the_matrix_grows_with_the_ranks_and_only_selects_by_name():
+    two, four, eight = (exact_layouts(n) for n in (2, 4, 8))
+    assert {"ddp", "zero1", "zero2", "zero3", "tp2", "tp2-sp", "pp2-gpipe", "pp2-dualpipev", "local-sgd-h1"} <= {
+        layout.name for layout in two
+    }
+    assert any(layout.name.startswith("hsdp") for layout in four) and not any("hsdp" in x.name for x in two)
+    assert any(layout.name.startswith("3d") for layout in eight) and not any("3d" in x.name for x in four)
+    for n, layouts in ((2, two), (4, four), (8, eight)):
+        assert all(layout.ranks <= n and GLOBAL_BATCH % layout.dp == 0 for layout in layouts)  # same global batch
+    assert [x.name for x in two if x.matches(["zero"])] == ["zero1", "zero2", "zero3"]
+
+
+def test_verify_refuses_one_rank_and_selections_that_select_nothing(capsys):
+    assert main(["verify", "--nproc", "1"]) == 2
+    assert main(["verify", "--nproc", "2", "--only", "nothing-like-this"]) == 2
+    assert capsys.readouterr().err.count("paralm: error:") == 2
+
+
+@pytest.mark.slow
+def test_verify_holds_the_parameter_servers_and_diloco_to_their_guarantees(tmp_path):
+    verdicts = verify(2, ["ps", "diloco"], tmp_path, echo=lambda _: None)
+    assert [v.layout for v in verdicts] == ["ps-sync-1s1w", "diloco-lr1-m0", "ps-async-1w"]
+    assert all(v.holds and v.weight_gap <= 1e-5 for v in verdicts), table(verdicts)
