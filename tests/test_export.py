@@ -17,6 +17,7 @@ from paralm.data.shards import read_meta
 from paralm.data.tokenizer import load_tokenizer
 from paralm.export import byte_tokenizer
 from paralm.generate import generate_from_run
+from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
 from paralm.train.optim import build_optimizer
@@ -98,7 +99,7 @@ def test_import_of_an_export_is_the_same_model_and_fine_tunes(one_process_run, t
         assert torch.equal(a, b), name
     config = load_config(run / "config.toml")
     optimizer = build_optimizer(imported, config.train)
-    load_checkpoint(latest_checkpoint(run), imported, optimizer)
+    load_checkpoint(latest_checkpoint(run), TrainingState(imported, optimizer, SyncStrategy()))
     assert config.train.optimizer == "adamw" and len(optimizer.state) == len(list(imported.parameters()))
     assert all(state["step"].item() == 0 for state in optimizer.state.values())  # AdamW starts afresh
 
