@@ -111,8 +111,7 @@ def save_checkpoint(
     keep: int = 0,
 ) -> Path:
     """Collective: every rank calls it. Returns the final folder."""
-    final = checkpoint_dir(run_dir) / f"{_PREFIX}{step:06d}"
-    partial = final.with_name(final.name + _PARTIAL)
+    partial, final = partial_and_final(run_dir, step)
     if runtime.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -127,6 +126,12 @@ def save_checkpoint(
         finish_checkpoint(partial, final, trainer_state, config, keep)
     runtime.barrier()
     return final
+
+
+def partial_and_final(run_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """Where a checkpoint is written, and the name it gets once complete."""
+    final = checkpoint_dir(run_dir) / f"{_PREFIX}{step:06d}"
+    return final.with_name(final.name + _PARTIAL), final
 
 
 def finish_checkpoint(partial: Path, final: Path, trainer_state: dict[str, Any], config: Config, keep: int) -> None:

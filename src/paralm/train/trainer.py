@@ -37,9 +37,9 @@ from paralm.parallel.zero1 import shard_optimizer_state
 from paralm.train.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
-    save_checkpoint,
     trainer_state,
 )
+from paralm.train.checkpointer import Checkpointer
 from paralm.train.interrupt import StopSignals, signal_name
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
 from paralm.train.metrics import MetricsLogger, peak_memory_bytes
@@ -62,7 +62,10 @@ def train(config: Config) -> None:
     except Interrupted:
         shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
         raise
-    shutdown(runtime)  # only on success: after a failure the launcher tears the job down
+    except BaseException:
+        shutdown(runtime, together=False)
+        raise
+    shutdown(runtime)
 
 
 def resolve_grad_accum(config: Config, dp: int) -> int:
@@ -118,6 +121,7 @@ class Trainer:
         self.step, self.samples_seen = 0, 0
         self._restore()
         self.saved_step = self.step  # the checkpoint it resumed from, or none at step 0
+        self.checkpointer = Checkpointer(runtime, config.checkpoint.async_save)
         self.peak_flops = device_peak_flops(self.device, config.precision.dtype)
         self.logger = None
         if runtime.is_main:
@@ -152,6 +156,7 @@ class Trainer:
     def fit(self) -> None:
         with StopSignals() as self.stop:  # SIGINT/SIGTERM stop the loop after a step every rank agrees on
             self._fit()
+            self.checkpointer.wait()  # the last checkpoint is complete before the job ends
 
     def _fit(self) -> None:
         t, ckpt = self.config.train, self.config.checkpoint
@@ -184,6 +189,7 @@ class Trainer:
         saved = ""
         if self.config.checkpoint.on_signal and self.step != self.saved_step:
             saved = f"; saved {self.save()}, run the same command to resume"
+        self.checkpointer.wait()
         if self.logger:
             self.logger.close()
         raise Interrupted(signum, f"stopped by {signal_name(signum)} after step {self.step}{saved}")
@@ -279,17 +285,16 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict(),
             "global_batch": self.layout.global_batch,
         }
-        path = save_checkpoint(
+        path = self.checkpointer.save(
             self.run_dir,
             self.step,
             self.train_module,
             self.optimizer,
             state,
             self.config,
-            self.runtime,
             keep=self.config.checkpoint.keep,
         )
         if self.logger:
-            self.logger.message(f"saved {path}")
+            self.logger.message(f"{'saving' if self.checkpointer.asynchronous else 'saved'} {path}")
         self.saved_step = self.step
         return path
