@@ -154,3 +154,14 @@ def test_every_argument_out_of_range_is_one_line_and_exit_2(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("paralm")
+
+
+@pytest.mark.slow
+def test_a_user_error_inside_the_workers_is_printed_once_with_exit_2(trained_run, tmp_path):
+    checkpoint = trained_run / "checkpoints" / "step_000004"
+    result = paralm(
+        "train", *TINY, "--model.d_model=16", "--nproc", "2", f"--run.dir={tmp_path / 'r'}",
+        f"--checkpoint.resume={checkpoint}", "--train.steps=6",
+    )  # fmt: skip
+    assert_user_error(result, "holds a different model")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -30,7 +30,7 @@ def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int =
     # torchrun would give every worker one thread; share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[ERRORS_TO_LAUNCHER_ENV] = "1"
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # we say what happened, once
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we say what happened, once
     launcher_args = get_args_parser().parse_args(
         [
             "--standalone",
