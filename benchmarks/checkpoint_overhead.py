@@ -47,7 +47,10 @@ def main() -> None:
         "--train.eval_samples=8",
         "--log.tensorboard=false",
     ]
-    seconds = {mode: run_seconds(common + extra, args.nproc) for mode, extra in MODES.items()}
+    seconds = {}
+    for mode, extra in MODES.items():
+        seconds[mode] = run_seconds(common + extra, args.nproc)
+        print(f"  {mode}: {seconds[mode]:.1f} s", file=sys.stderr, flush=True)
     saves = args.steps // args.every
     rows = []
     for mode, total in seconds.items():
