@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from paralm.cli import main
+from paralm.train.integrity import write_manifest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--config",
@@ -118,6 +121,7 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(trained_run, tmp_pat
     ckpt = tmp_path / "evil"
     shutil.copytree(trained_run / "checkpoints" / "step_000004", ckpt)
     (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    write_manifest(ckpt)  # a matching manifest: the unpickler itself must refuse
     assert_user_error(paralm("eval", "--run", str(trained_run), "--checkpoint", str(ckpt)), "does not load")
     assert not (tmp_path / "pwned").exists()
 
@@ -127,3 +131,37 @@ def test_nproc_2_trains_data_parallel(tmp_path):
     result = paralm("train", *TINY, "--nproc", "2", f"--run.dir={tmp_path / 'ddp'}", "--train.steps=2")
     assert result.returncode == 0, result.stderr
     assert "2 rank(s)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--nproc", "0"],
+        ["train", "--max-restarts", "-1"],
+        ["train", "--nproc", "two"],
+        ["generate", "--run", "r", "--max-new-tokens", "-1"],
+        ["generate", "--run", "r", "--temperature", "-0.5"],
+        ["generate", "--run", "r", "--top-k", "-3"],
+        ["data", "prepare", "--input", "a", "--out", "b", "--val-fraction", "1"],
+        ["data", "prepare", "--input", "a", "--out", "b", "--vocab-size", "100"],
+    ],
+)
+def test_every_argument_out_of_range_is_one_line_and_exit_2(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own type errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("paralm")
+
+
+@pytest.mark.slow
+def test_a_user_error_inside_the_workers_is_printed_once_with_exit_2(trained_run, tmp_path):
+    checkpoint = trained_run / "checkpoints" / "step_000004"
+    result = paralm(
+        "train", *TINY, "--model.d_model=16", "--nproc", "2", f"--run.dir={tmp_path / 'r'}",
+        f"--checkpoint.resume={checkpoint}", "--train.steps=6",
+    )  # fmt: skip
+    assert_user_error(result, "holds a different model")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -7,11 +7,13 @@ Verbs that take a config accept `--config FILE` and any `--section.field=value` 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from paralm.errors import USER_ERROR_EXIT_CODE, UserError
+from paralm.errors import ERRORS_TO_LAUNCHER_ENV, USER_ERROR_EXIT_CODE, Interrupted, UserError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -21,11 +23,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     config, overrides = train_config(args.config, overrides, world_size)  # parallel.auto: the planner's layout
-    if args.nproc > 1 and not running_under_launcher():
+    if (args.nproc > 1 or args.max_restarts) and not running_under_launcher():
         from paralm.parallel.dims import ParallelDims
 
         ParallelDims.from_config(config.parallel, args.nproc, config.sync.servers)  # fail before spawning
-        return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides])
+        return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides], args.max_restarts)
     train(config)
     return 0
 
@@ -124,8 +126,45 @@ def _config_args(args: argparse.Namespace) -> list[str]:
     return ["--config", args.config] if args.config else []
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block), like every other paralm error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
+
+
+# The lowest value each numeric argument takes (and the highest, where there is one).
+_RANGES: dict[str, tuple[float, float | None]] = {
+    "nproc": (1, None),
+    "max_restarts": (0, None),
+    "max_new_tokens": (1, None),
+    "temperature": (0, None),
+    "top_k": (0, None),
+    "seed": (0, 2**63 - 1),
+    "vocab_size": (257, None),
+    "val_fraction": (0, 1),
+}
+_OPEN_BOUNDS = {"val_fraction"}  # strictly inside its range
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric argument in its range, as one line naming it."""
+    for name, (low, high) in _RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        strict = name in _OPEN_BOUNDS
+        below = value <= low if strict else value < low
+        above = high is not None and (value >= high if strict else value > high)
+        if below or above:
+            flag = "--" + name.replace("_", "-")
+            bounds = f"in ({low}, {high})" if strict else f"at least {low}" + (f" and at most {high}" if high else "")
+            raise UserError(f"{flag} {value} must be {bounds}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="paralm",
         description="Train GPT-style language models with every major parallel strategy.",
         epilog="Config fields are overridden as --section.field=value, e.g. --train.steps=200.",
@@ -135,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = verbs.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)")
     train.add_argument("--config", help="TOML config file (default: the built-in tiny model)")
     train.add_argument("--nproc", type=int, default=1, help="local worker processes to start")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the workers up to K times after one fails; they resume from the latest checkpoint",
+    )
     train.set_defaults(func=_train)
 
     evaluate = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
@@ -205,13 +250,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
+        check_ranges(args)
         return args.func(args, rest)
     except UserError as e:
-        print(f"paralm: error: {e}", file=sys.stderr)
+        _report_user_error(f"paralm: error: {e}")
         return USER_ERROR_EXIT_CODE
+    except Interrupted as e:
+        _print_once(f"paralm: {e}")
+        return e.exit_code
     except KeyboardInterrupt:
-        print("paralm: interrupted", file=sys.stderr)
+        _print_once("paralm: interrupted")
         return 130
+
+
+def _print_once(line: str) -> None:
+    """Rank 0's line: every rank of a job reaches the same end."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def _report_user_error(line: str) -> None:
+    """On stderr, or, in a worker of `paralm train --nproc`, to the launcher, which prints it once."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(ERRORS_TO_LAUNCHER_ENV) and error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ class CheckpointConfig:
     every: int = option(0, "save every N steps; 0: only at the end")
     resume: str = option("auto", "auto: latest checkpoint in run.dir; none; or a checkpoint path")
     keep: int = option(0, "keep only the newest N checkpoints; 0 keeps all")
+    async_save: bool = option(False, "write checkpoints in the background (DCP async_save) while training goes on")
+    on_signal: bool = option(True, "on SIGINT/SIGTERM, save a checkpoint after the current step before exiting")
 
 
 @dataclass

@@ -91,3 +91,15 @@ def test_meta_records_the_shard_sizes(corpus, tmp_path):
     prepare_dataset([str(corpus)], str(tmp_path / "ds"), "byte", 0, 0.1)
     meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     assert sum(meta["shard_tokens"].values()) == sum(s["tokens"] for s in meta["splits"].values())
+
+
+def test_a_folder_that_is_not_a_dataset_is_never_replaced(corpus, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("keep")
+    with pytest.raises(UserError, match="not a prepared dataset"):
+        prepare_dataset([str(corpus)], str(mine), "byte", 4096, 0.1)
+    assert (mine / "keep.txt").read_text() == "keep"
+    prepare_dataset([str(corpus)], str(tmp_path / "ds"), "byte", 4096, 0.1)
+    prepare_dataset([str(corpus)], str(tmp_path / "ds"), "byte", 4096, 0.2)  # an earlier dataset is replaced
+    assert read_meta(tmp_path / "ds")["val_fraction"] == 0.2

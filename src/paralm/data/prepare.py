@@ -34,6 +34,7 @@ def write_dataset(
     if not 0 < val_fraction < 1:
         raise UserError(f"validation fraction {val_fraction} must be in (0, 1)")
     out = Path(out)
+    check_replaceable(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -73,6 +74,14 @@ def write_dataset(
     return meta
 
 
+def check_replaceable(out: Path) -> None:
+    """Only an earlier prepared dataset (or an empty folder) is replaced: never a user's other files."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: name a folder for the dataset")
+    if out.is_dir() and any(out.iterdir()) and not (out / META_FILE).is_file():
+        raise UserError(f"--out {out} holds files and is not a prepared dataset: choose an empty or new folder")
+
+
 def _replace_dir(new: Path, target: Path) -> None:
     """Move `new` to `target`; an existing target is swapped out first and removed after."""
     old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -90,6 +99,7 @@ def make_tokenizer(kind: str, vocab_size: int, documents: Iterable[tuple[str, st
 
 def prepare_dataset(inputs: list[str], out: str, tokenizer: str, vocab_size: int, val_fraction: float) -> str:
     """The `data prepare` verb: returns a one-paragraph summary for the terminal."""
+    check_replaceable(Path(out))  # before reading and tokenizing everything
     documents = list(read_documents(expand_inputs(inputs)))
     meta = write_dataset(documents, Path(out), make_tokenizer(tokenizer, vocab_size, documents), val_fraction)
     return _summary(Path(out), meta)

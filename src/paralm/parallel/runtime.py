@@ -136,8 +136,11 @@ def _restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> dist.
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def shutdown(runtime: Runtime) -> None:
-    """Leave the job cleanly: a barrier first, or a fast rank's exit can abort a slower one."""
-    if runtime.distributed:
-        dist.barrier()
+def shutdown(runtime: Runtime, together: bool = True) -> None:
+    """Leave the job: with a barrier first when every rank is leaving (or a fast rank's exit can abort a
+    slower one), without one after a failure (peers may be stuck elsewhere). Either way the groups are
+    destroyed before the interpreter exits, so no communication thread outlives them."""
+    if runtime.distributed and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()

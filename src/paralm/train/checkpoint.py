@@ -3,28 +3,29 @@
 Layout: `<run.dir>/checkpoints/step_NNNNNN/` holds DCP's shard files and `.metadata`, plus
 `trainer_state.json` (step, data position) and `config.toml` (the config that wrote it). Every rank
 writes its shards into `step_NNNNNN.partial/`; when all have finished, rank 0 adds the JSON and
-renames the folder, so a crash mid-write never leaves a folder that looks complete.
+writes `manifest.json` (size and SHA-256 of every file, `paralm.train.integrity`) last and renames
+the folder, so a crash mid-write never leaves a folder that looks complete, and a checkpoint damaged
+later (truncated, bit-flipped, half-copied) is detected before anything is read from it.
 
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, which speak in terms of the
 unsharded parameter names: a checkpoint written by one layout (DDP, FSDP, 4 ranks) loads into
 another (1 process). What is saved comes from a `Stateful` the parallel plan composes (model,
 optimizer, the sync strategy's own state), so this module never needs to know the strategy. Loading
-unpickles nothing but DCP's own metadata classes, and tensors with `weights_only=True`.
+unpickles nothing outside an allow-list (`paralm.train.checkpoint_reader`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -35,6 +36,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from paralm.config import CONFIG_FILE, Config, ModelConfig, read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
+from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
+from paralm.train.integrity import MANIFEST_FILE, damage, write_manifest
 
 STATE_FILE = "trainer_state.json"
 _PREFIX = "step_"
@@ -43,46 +46,6 @@ _PARTIAL = ".partial"
 
 # A single process saves and loads without a process group, which is what we mean; DCP warns each time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-_ALLOWED_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only DCP's metadata dataclasses and enums, and torch's dtype/size/layout singletons."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = super().find_class(module, name)
-        is_type = isinstance(obj, type)
-        if module.startswith("torch.distributed.checkpoint.") and is_type and _is_plain_record(obj):
-            return obj
-        if module == "torch" and (
-            obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
-        ):
-            return obj
-        if (module, name) in _ALLOWED_GLOBALS:
-            return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which paralm does not load")
-
-
-def _is_plain_record(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's reader with a restricted unpickler for `.metadata` (DCP itself uses plain `pickle`)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        rank = kwargs.get("rank")
-        with open(self._get_metadata_path(rank), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 class ModelState(Stateful):
@@ -114,17 +77,38 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+    """Finished saving (the manifest is written last); says nothing about damage since."""
+    return path.is_dir() and (path / MANIFEST_FILE).is_file()
+
+
+def checkpoint_step(path: Path) -> int | None:
+    name = path.name
+    return int(name[len(_PREFIX) :]) if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit() else None
+
+
+def _complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's finished checkpoints, oldest first by step number."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if checkpoint_step(p) is not None and is_complete(p)]
+    return sorted(done, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run (partial folders are ignored)."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()]
-    done = [p for p in done if is_complete(p)]
-    return max(done, key=lambda p: int(p.name[len(_PREFIX) :]), default=None)
+    """The newest undamaged checkpoint of a run; a damaged newer one is reported in one line and passed over."""
+    for path in reversed(_complete_checkpoints(run_dir)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        _report(f"checkpoint {path} is damaged ({problem}); trying the previous one")
+    return None
+
+
+def _report(text: str) -> None:
+    """One line from the job, not one per rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"paralm: {text}", file=sys.stderr, flush=True)
 
 
 def save_checkpoint(
@@ -137,8 +121,7 @@ def save_checkpoint(
     keep: int = 0,
 ) -> Path:
     """Collective: every rank calls it, with the model/optimizer `state` to write. Returns the final folder."""
-    final = checkpoint_dir(run_dir) / f"{_PREFIX}{step:06d}"
-    partial = final.with_name(final.name + _PARTIAL)
+    partial, final = partial_and_final(run_dir, step)
     if runtime.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -149,16 +132,28 @@ def save_checkpoint(
         process_group=runtime.group,
     )
     if runtime.is_main:
-        _write_synced(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
-        _write_synced(partial / CONFIG_FILE, config.to_toml())
-        if final.exists():  # re-running over an old checkpoint of the same step
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(final.parent)
-        if keep:
-            _prune(final.parent, keep)
+        finish_checkpoint(partial, final, trainer_state, config, keep)
     runtime.barrier()
     return final
+
+
+def partial_and_final(run_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """Where a checkpoint is written, and the name it gets once complete."""
+    final = checkpoint_dir(run_dir) / f"{_PREFIX}{step:06d}"
+    return final.with_name(final.name + _PARTIAL), final
+
+
+def finish_checkpoint(partial: Path, final: Path, trainer_state: dict[str, Any], config: Config, keep: int) -> None:
+    """Rank 0, once every rank's shards are written: the JSON, the config, the manifest, the rename."""
+    _write_synced(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
+    _write_synced(partial / CONFIG_FILE, config.to_toml())
+    write_manifest(partial)
+    if final.exists():  # re-running over an old checkpoint of the same step
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    if keep:
+        _prune(final, keep)
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -176,24 +171,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prune(root: Path, keep: int) -> None:
-    complete = sorted(
-        (p for p in root.iterdir() if p.name.startswith(_PREFIX) and is_complete(p)), key=lambda p: p.name
-    )
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(newest: Path, keep: int) -> None:
+    """Keep the `keep` highest steps; never the one just written (the last good one)."""
+    for old in _complete_checkpoints(newest.parent.parent)[:-keep]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder given by the user, checked to be complete."""
+    """A checkpoint folder given by the user, checked to be complete and undamaged."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist: pass a folder like <run.dir>/checkpoints/step_000100")
     if not is_complete(path):
         raise UserError(
-            f"{path} is not a complete checkpoint (it needs .metadata and {STATE_FILE}); "
+            f"{path} is not a complete checkpoint (it has no {MANIFEST_FILE}); "
             "it may have been interrupted while saving: use an earlier one"
         )
+    problem = damage(path)
+    if problem is not None:
+        raise UserError(f"checkpoint {path} is damaged ({problem}): use an earlier one")
     return path
 
 
@@ -211,7 +208,8 @@ def checkpoint_to_resume(config: Config) -> Path | None:
 def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
         state = json.loads((path / STATE_FILE).read_text())
-        int(state["step"]), int(state["samples_seen"])
+        if not isinstance(state, dict) or any(not isinstance(state[k], int) for k in ("step", "samples_seen")):
+            raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"{path / STATE_FILE} is corrupt: resume from an earlier checkpoint") from None
     return state
@@ -233,11 +231,21 @@ def check_compatible(path: Path, model: ModelConfig) -> None:
         raise UserError(f"checkpoint {path} holds a different model: {'; '.join(differing)}")
 
 
+def _is_checkpoint_fault(error: BaseException) -> bool:
+    """Storage, refused-entry, shape and missing-key errors: the checkpoint's fault, not paralm's."""
+    if isinstance(error, (OSError, EOFError, pickle.UnpicklingError)):
+        return True
+    message = str(error)
+    return (isinstance(error, RuntimeError) and message.startswith("Missing key in checkpoint")) or (
+        isinstance(error, ValueError) and message.startswith("Size mismatch")
+    )
+
+
 def _first_line_of_failure(error: CheckpointException) -> str:
     """The first rank's exception, as `Type: message` (DCP pairs each with its stack summary)."""
     for rank in sorted(error.failures):
         exception = error.failures[rank][0]
-        return f"rank {rank}: {type(exception).__name__}: {str(exception).strip()[:300]}"
+        return f"rank {rank}: {type(exception).__name__}: {str(exception).strip().splitlines()[0][:300]}"
     return str(error).strip()[:300]
 
 
@@ -253,13 +261,17 @@ def load_checkpoint(
     reader = SafeFileSystemReader(path)
     try:
         reader.read_metadata()  # fail here with one line, before DCP logs a traceback per rank
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError) as e:
         raise UserError(
             f"checkpoint metadata {path / '.metadata'} cannot be read ({e}): use another checkpoint"
         ) from None
     try:
-        dcp.load(target, storage_reader=reader, process_group=process_group)
-    except CheckpointException as e:  # storage and shape errors, gathered from every rank
-        raise UserError(f"checkpoint {path} cannot be loaded: {_first_line_of_failure(e)}") from None
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
+    except CheckpointException as e:  # gathered from every rank
+        if not all(_is_checkpoint_fault(exception) for exception, _ in e.failures.values()):
+            raise  # a bug: keep the traceback
+        raise UserError(
+            f"checkpoint {path} cannot be loaded: {_first_line_of_failure(e)}; use another checkpoint"
+        ) from None
     state.load_state_dict(target)
     return progress

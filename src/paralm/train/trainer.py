@@ -8,6 +8,7 @@ global batch.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from paralm.config import Config
 from paralm.data.prepare import dataset_dir
 from paralm.data.sampler import BatchLayout, sample_windows
 from paralm.data.shards import TokenDataset
+from paralm.errors import Interrupted
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT
@@ -27,23 +29,32 @@ from paralm.rules import check_vocab_size, resolve_grad_accum
 from paralm.train.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
-    save_checkpoint,
     trainer_state,
 )
+from paralm.train.checkpointer import Checkpointer
+from paralm.train.interrupt import StopSignals, signal_name
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
 from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
 from paralm.train.param_server import run_parameter_server
 from paralm.train.precision import LossScaler
+from paralm.train.resume_batch import keep_global_batch
 
 
 def train(config: Config) -> None:
     runtime = init_runtime(config.parallel, servers=config.sync.servers)
-    if config.sync.mode == "parameter_server":
-        run_parameter_server(config, runtime, Trainer)
-    else:
-        Trainer(config, runtime).fit()
-    shutdown(runtime)  # only on success: after a failure the launcher tears the job down
+    try:
+        if config.sync.mode == "parameter_server":
+            run_parameter_server(config, runtime, Trainer)
+        else:
+            Trainer(config, runtime).fit()
+    except Interrupted:
+        shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
+        raise
+    except BaseException:
+        shutdown(runtime, together=False)
+        raise
+    shutdown(runtime)
 
 
 class Trainer:
@@ -73,6 +84,8 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self._restore()
+        self.saved_step = self.step  # the checkpoint it resumed from, or none at step 0
+        self.checkpointer = Checkpointer(runtime, config.checkpoint.async_save)
         peak_flops = device_peak_flops(self.device, config.precision.dtype)
         self.throughput = Throughput(self.flops_per_token, peak_flops, runtime.world_size)
         self.logger = None
@@ -88,6 +101,10 @@ class Trainer:
         state = load_checkpoint(path, self.plan.checkpoint_state(self.optimizer), self.runtime.group)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.scaler.load_state_dict(state.get("loss_scaler", {}))
+        saved_batch = state.get("global_batch")
+        self.layout, note = keep_global_batch(self.layout, saved_batch, self.config.train.global_batch_size)
+        if note and self.runtime.is_main:
+            print(f"paralm: {note}", file=sys.stderr, flush=True)
 
     def _describe(self) -> str:
         layout, m = self.layout, self.config.model
@@ -99,11 +116,18 @@ class Trainer:
         )
 
     def fit(self) -> None:
+        with StopSignals() as self.stop:  # SIGINT/SIGTERM stop the loop after a step every rank agrees on
+            self._fit()
+            self.checkpointer.wait()  # the last checkpoint is complete before the job ends
+
+    def _fit(self) -> None:
         t, ckpt = self.config.train, self.config.checkpoint
         if self.logger and self.step >= t.steps:
             self.logger.message(f"nothing to do: the checkpoint is at step {self.step}, train.steps = {t.steps}")
         first = self.step
         while self.step < t.steps:
+            if signum := self.stop.agreed(self.runtime):
+                self._stop(signum)
             row = self.train_step()
             self.step += 1
             if self.logger and row["step"] == first:
@@ -121,6 +145,16 @@ class Trainer:
         if self.logger:
             self.logger.message(comm)
             self.logger.close()
+
+    def _stop(self, signum: int) -> None:
+        """Every rank saw the same flag before this step: save (unless done already) and leave."""
+        saved = ""
+        if self.config.checkpoint.on_signal and self.step != self.saved_step:
+            saved = f"; saved {self.save()}, run the same command to resume"
+        self.checkpointer.wait()
+        if self.logger:
+            self.logger.close()
+        raise Interrupted(signum, f"stopped by {signal_name(signum)} after step {self.step}{saved}")
 
     def micro_batches(self, starts: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of the global batch starting at `samples_seen` (or the micro-batches at `starts`)."""
@@ -194,18 +228,20 @@ class Trainer:
         )
         return loss
 
-    def save(self) -> None:
+    def save(self) -> Path:
         state = trainer_state(self.step, self.samples_seen, self.config.model.block_size, self.runtime.world_size) | {
-            "loss_scaler": self.scaler.state_dict()
+            "loss_scaler": self.scaler.state_dict(),
+            "global_batch": self.layout.global_batch,
         }
-        path = save_checkpoint(
+        path = self.checkpointer.save(
             self.run_dir,
             self.step,
             self.plan.checkpoint_state(self.optimizer),
             state,
             self.config,
-            self.runtime,
             keep=self.config.checkpoint.keep,
         )
         if self.logger:
-            self.logger.message(f"saved {path}")
+            self.logger.message(f"{'saving' if self.checkpointer.asynchronous else 'saved'} {path}")
+        self.saved_step = self.step
+        return path

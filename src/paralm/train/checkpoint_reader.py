@@ -1,0 +1,122 @@
+"""How paralm reads a DCP checkpoint without running anything the checkpoint brings.
+
+DCP unpickles `.metadata` with plain `pickle` and every non-tensor entry (`optim.param_groups.*.lr`,
+betas, ...) with `torch.load(weights_only=False)`: a crafted checkpoint could run code. Here
+`.metadata` goes through an unpickler that checks each global's module and name against an
+allow-list *before* looking anything up (nothing is imported: every allowed module is already
+loaded), and non-tensor entries through `torch.load(weights_only=True)`, torch's own allow-list
+unpickler, which also checks names before importing. We keep loading those entries, rather than
+dropping them, because they are plain numbers and flags that `set_state_dict` expects back.
+
+The reader also lets a pipeline's last stage, which holds a copy of the tied embedding as
+`lm_head.weight`, start from a checkpoint that has optimizer state only for `wte.weight` (one
+process ties the two, and its optimizer knows the parameter by its first name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import pickle
+import sys
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
+
+# The modules whose dataclasses and enums make up DCP's metadata (all imported with DCP itself).
+_DCP_MODULES = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint.filesystem",
+    }
+)
+_OTHER_GLOBALS = frozenset(
+    {
+        ("collections", "OrderedDict"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+)
+# A pipeline's last stage holds the tied embedding under this name; one process saves its
+# optimizer state under the first name.
+TIED_ALIASES = {"lm_head.weight": "wte.weight"}
+_ALIASED_SECTIONS = ("optim.state.", "optim.param_groups.")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only DCP's metadata records and torch's dtype/size/layout singletons, by name first."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _allowed_global(module, name)
+        if obj is None:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which paralm does not load")
+        return obj
+
+
+def _allowed_global(module: str, name: str) -> Any:
+    """The object for an allowed (module, name), looked up in an already-loaded module; else None."""
+    allowed = module in _DCP_MODULES or module == "torch" or (module, name) in _OTHER_GLOBALS
+    loaded = sys.modules.get(module)
+    if not allowed or loaded is None:
+        return None
+    obj = vars(loaded).get(name)  # vars(): no module __getattr__, so no lazy import either
+    if module in _DCP_MODULES:
+        plain = isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        return obj if plain else None
+    if module == "torch":
+        singleton = obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+        return obj if singleton else None
+    return obj
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, with the allow-list unpickler for `.metadata` and the tied-head aliases."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        _add_tied_aliases(metadata)
+        return metadata
+
+
+def _add_tied_aliases(metadata: Metadata) -> None:
+    """Where the checkpoint has optimizer entries for `wte.weight` but none for `lm_head.weight`,
+    let the second name read the first one's entries (storage included)."""
+    entries = metadata.state_dict_metadata
+    for copy, original in TIED_ALIASES.items():
+        for section in _ALIASED_SECTIONS:
+            source, target = section + original + ".", section + copy + "."
+            if any(key.startswith(target) for key in entries):
+                continue
+            for key in [k for k in entries if k.startswith(source)]:
+                entries[target + key[len(source) :]] = entries[key]
+            storage = metadata.storage_data or {}
+            for index in [i for i in storage if i.fqn.startswith(source)]:
+                alias = MetadataIndex(target + index.fqn[len(source) :], index.offset, index.index)
+                storage[alias] = storage[index]
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner with non-tensor entries read by torch's weights-only unpickler."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if not self.flatten_state_dict:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+            return
+        *parents, last = self.mappings[read_item.dest_index.fqn]  # the entry's path in the nested dict
+        container = self.original_state_dict
+        for key in parents:
+            container = container[key]
+        container[last] = loaded
