@@ -84,6 +84,11 @@ class ParallelConfig:
     dp_shard: int = option(-1, "sharded data-parallel degree; -1: the remainder")
     zero: int = option(0, "ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters", (0, 1, 2, 3))
     cpu_offload: bool = option(False, "offload sharded parameters and optimizer state to CPU")
+    shard_grads_every_microstep: bool = option(
+        False,
+        "ZeRO-2/3 with train.grad_accum > 1: reduce-scatter gradients after every micro-step and keep only the "
+        "shard (1/N of the gradient memory for grad_accum x the reduce-scatters)",
+    )
     tp: int = option(1, "tensor-parallel degree")
     sequence_parallel: bool = option(False, "shard norms, dropout and residuals along the sequence (tp > 1)")
     pp: int = option(1, "pipeline-parallel degree (stages)")

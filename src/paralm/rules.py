@@ -126,7 +126,8 @@ def check_model_parallel(config: Config) -> None:
     _check_tensor_parallel(config)
     if p.zero == 1 and p.tp * p.pp > 1:
         raise UserError(
-            "parallel.zero = 1 (ZeroRedundancyOptimizer) cannot hold tensor- or pipeline-parallel parameters: "
+            "parallel.zero = 1 (optimizer shards of plain parameters) cannot hold tensor- or pipeline-parallel "
+            "parameters: "
             "use parallel.zero = 0 (replicated) or 2 or 3 (sharded) with parallel.tp or parallel.pp > 1"
         )
     if p.pp == 1:  # the pipeline fields shape nothing then
@@ -204,6 +205,11 @@ def check_sharding(config: Config) -> None:
         raise UserError(
             f"parallel.cpu_offload = true offloads FSDP's parameter shards, which parallel.zero = {p.zero} does "
             "not make: set parallel.zero = 2 or 3, or parallel.cpu_offload = false"
+        )
+    if p.shard_grads_every_microstep and (p.zero < 2 or p.pp > 1):
+        raise UserError(
+            "parallel.shard_grads_every_microstep = true reduce-scatters FSDP's gradients after each micro-step: "
+            f"it needs parallel.zero = 2 or 3 (parallel.zero = {p.zero}) and parallel.pp = 1 (parallel.pp = {p.pp})"
         )
     if precision.reduce_dtype != "fp32" and p.zero < 2:
         raise UserError(

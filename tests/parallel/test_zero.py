@@ -19,9 +19,11 @@ the root unit, i.e. the embeddings and the final norm).
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
-from paralm.model import GPT
+from paralm.model import GPT, cross_entropy_loss
+from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
@@ -33,6 +35,11 @@ SGD = {"optimizer": "sgd", "lr": 0.5}
 
 LAYOUTS = {  # name: (ranks, parallel section, train section)
     "zero1": (2, {"zero": 1}, {}),
+    "zero1-hsdp-2x2-grad-accum": (
+        4,
+        {"zero": 1, "dp_replicate": 2, "dp_shard": 2},
+        {"grad_accum": 2, "micro_batch_size": 1},
+    ),
     "zero2": (2, {"zero": 2}, {}),
     "zero3": (2, {"zero": 3}, {}),
     "zero3-4ranks": (4, {"zero": 3}, {}),
@@ -41,6 +48,11 @@ LAYOUTS = {  # name: (ranks, parallel section, train section)
         2,
         {"zero": 2},
         {"activation_checkpointing": "selective", "ac_every": 2, "grad_accum": 2, "micro_batch_size": 2},
+    ),
+    "zero3-grad-accum-sharded-every-microstep": (
+        2,
+        {"zero": 3, "shard_grads_every_microstep": True},
+        {"grad_accum": 2, "micro_batch_size": 2},
     ),
     "zero3-cpu-offload": (2, {"zero": 3, "cpu_offload": True}, {}),
 }
@@ -112,3 +124,41 @@ def test_sharded_layout_matches_one_process(name, reference, tmp_path):
         assert measured[key] == pytest.approx(value, rel=0.05), key
     moved = max((sgd_ref_weights[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1000 * TOLERANCE  # the comparison is not between two barely-trained models
+
+
+@pytest.mark.slow
+def test_zero1_sends_no_more_bytes_than_ddp(tmp_path):
+    """ZeRO-1 reduce-scatters gradients and all-gathers parameters: 2(N-1)/N of the model per step,
+    exactly DDP's ring all-reduce when no dimension needs padding (the tiny model's divide by 2). The
+    previous ZeRO-1 (DDP's all-reduce, then broadcasts) sent more."""
+    runs = [tiny_config(tmp_path / f"zero{stage}", parallel={"zero": stage}) for stage in (0, 1)]
+    run_ranks(train_and_gather, 2, tmp_path, runs)
+    ddp, zero1 = ([row["comm_bytes"] for row in read_metrics(run.run.dir)] for run in runs)
+    assert min(ddp) > 0
+    assert zero1 == ddp
+
+
+def grads_after_unsynced_microstep(configs: list[Config]) -> list[bool]:
+    """For each config: does a micro-step before the last leave (sharded) gradients on the parameters?"""
+    runtime = init_runtime(configs[0].parallel)
+    held = []
+    for config in configs:
+        trainer = Trainer(config, runtime)
+        x, y = trainer.micro_batches()[0]
+        with gradient_sync(trainer.plan.module, sync=False):
+            cross_entropy_loss(trainer.plan.module(x), y).backward()
+        held.append(all(isinstance(p.grad, DTensor) for p in trainer.model.parameters()))
+    shutdown(runtime)
+    return held
+
+
+@pytest.mark.slow
+def test_shard_grads_every_microstep_reduce_scatters_before_the_last_microstep(tmp_path):
+    """Without the option FSDP keeps the micro-step's gradients unsharded and unsynced (none on the
+    sharded parameters yet); with it they are reduce-scattered at once onto the shards."""
+    train = {"grad_accum": 2, "micro_batch_size": 2}
+    runs = [
+        tiny_config(tmp_path / str(every), parallel={"zero": 2, "shard_grads_every_microstep": every}, train=train)
+        for every in (False, True)
+    ]
+    assert run_ranks(grads_after_unsynced_microstep, 2, tmp_path, runs)[0] == [False, True]

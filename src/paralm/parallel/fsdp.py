@@ -7,6 +7,9 @@ compute). The root unit holds the embeddings, the final norm and the tied head.
 - ZeRO-3: `reshard_after_forward=True`, parameters are gathered again in backward.
 - ZeRO-2: `reshard_after_forward=False`, the gathered parameters stay from forward to the end of
   backward; gradients and optimizer state are sharded all the same.
+- Gradient accumulation: by default gradients stay unsharded and unsynced until the last micro-step
+  (one reduce-scatter per step); `parallel.shard_grads_every_microstep` reduce-scatters after every
+  micro-step instead (as DeepSpeed's ZeRO-2), so only the 1/N shard is held between micro-steps.
 - HSDP: with `parallel.dp_replicate > 1` the mesh is 2-D (replicate, shard): shards within a group
   of `dp_shard` ranks, replicas of that group all-reduce their gradients.
 Sharded parameters stay fp32 (they are the optimizer's master weights); `MixedPrecisionPolicy`
@@ -55,12 +58,17 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, config: Config) -> None:
     for block in model.blocks.values():
         fully_shard(block, reshard_after_forward=config.parallel.zero == 3, **policy)
     fully_shard(model, **policy)  # the root keeps its parameters gathered after forward: backward starts there
+    setattr(model, _EVERY_MICROSTEP, config.parallel.shard_grads_every_microstep)
+
+
+_EVERY_MICROSTEP = "paralm_shard_grads_every_microstep"  # set on the root module by `apply_fsdp`
 
 
 @contextlib.contextmanager
 def fsdp_gradient_sync(model: FSDPModule, sync: bool) -> Iterator[None]:
-    """Without sync, FSDP accumulates unsharded gradients locally instead of reduce-scattering them."""
-    model.set_requires_gradient_sync(sync)
+    """Without sync, FSDP accumulates unsharded gradients locally instead of reduce-scattering them
+    (unless the model was sharded to reduce-scatter every micro-step)."""
+    model.set_requires_gradient_sync(sync or getattr(model, _EVERY_MICROSTEP, False))
     try:
         yield
     finally:

@@ -69,6 +69,8 @@ class ParallelPlan:
         torch.manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if isinstance(self.sync, ZeroOne):  # the gradients live on its shards by now
+            return self.sync.clip_grad_norm_(max_norm)
         return clip_grad_norm_(self.model, max_norm, self.runtime)
 
 
@@ -91,16 +93,26 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         runtime=runtime,
         config=config,
         zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 else 0,
-        scaler_group=runtime.dp_group if uses_fsdp(config.parallel.zero, runtime.dims) else None,
+        scaler_group=runtime.dp_group if shards_gradients(config, runtime) else None,
     )
 
 
 def _sync_strategy(model: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
     if config.sync.mode in ("local_sgd", "diloco"):
         return ModelAverager(model, runtime, config.sync)
-    if config.parallel.zero == 1 and runtime.dims.dp > 1:
-        return ZeroOne(runtime.mesh["dp_shard"].get_group())
+    if _zero_one(config, runtime):
+        replicate = runtime.mesh["dp_replicate"].get_group() if runtime.dims.dp_replicate > 1 else None
+        return ZeroOne(model, runtime.mesh["dp_shard"], replicate, config.comm.bucket_mb, runtime.comm)
     return SyncStrategy()
+
+
+def _zero_one(config: Config, runtime: Runtime) -> bool:
+    return config.parallel.zero == 1 and runtime.dims.dp > 1 and config.sync.mode == "allreduce"
+
+
+def shards_gradients(config: Config, runtime: Runtime) -> bool:
+    """Each rank ends a step with a shard of the gradients (FSDP, ZeRO-1), so overflow checks must agree."""
+    return uses_fsdp(config.parallel.zero, runtime.dims) or _zero_one(config, runtime)
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
@@ -110,9 +122,10 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
     apply_activation_checkpointing(model, config.train)
     fsdp = uses_fsdp(config.parallel.zero, runtime.dims)
     if fsdp:
-        apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 shards the optimizer: paralm.parallel.zero1)
+        apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 syncs after backward: paralm.parallel.zero1)
     _materialize(model, runtime, config)  # after sharding, so each rank allocates only its shards
-    if runtime.dims.dp > 1 and not fsdp and config.sync.mode == "allreduce":  # other modes sync parameters
+    if runtime.dims.dp > 1 and not fsdp and not _zero_one(config, runtime) and config.sync.mode == "allreduce":
+        # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
         if runtime.dims.tp > 1 or runtime.dims.pp > 1:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
         ddp = apply_ddp(model, runtime, config.comm.bucket_mb)

@@ -1,18 +1,23 @@
-"""ZeRO-1: optimizer state sharded over the data-parallel ranks, parameters and gradients replicated.
+"""ZeRO-1: optimizer state sharded over the `dp_shard` ranks, parameters and gradients replicated.
 
-PyTorch's `ZeroRedundancyOptimizer` does it: DDP all-reduces full gradients as for ZeRO-0, then
-each rank steps the inner optimizer for its partition of the parameters (whole tensors, balanced
-greedily by size) and broadcasts the updated ones. With hybrid sharding the state is sharded over
-the `dp_shard` ranks and replicated across `dp_replicate`.
+As in the ZeRO paper, a step costs what DDP's all-reduce costs: each rank accumulates its full local
+gradients (no communication in backward), then one reduce-scatter per bucket leaves each rank the
+averaged gradient of its shard, the optimizer steps that shard only, and one all-gather per bucket
+hands every rank the updated parameters. A reduce-scatter plus an all-gather move the same bytes as
+a ring all-reduce (DDP), less the rows of padding when a dimension does not divide by the ranks.
 
-Checkpoints: DCP's `get_state_dict` cannot take a `ZeroRedundancyOptimizer` (its `state_dict()`
-first consolidates everything on one rank). Here each rank contributes the state of the
-parameters it owns, keyed by parameter name exactly as `get_state_dict` keys a plain optimizer's,
-so a ZeRO-1 checkpoint loads into any layout and any checkpoint loads into ZeRO-1.
+Each parameter is sharded along dim 0 as a `DTensor` with `Shard(0)` whose local tensor is a view
+into the replicated parameter: stepping the shard updates the model in place, at no memory cost.
+Under hybrid sharding the gradient shards are also all-reduced over `dp_replicate`.
+
+Checkpoints: the optimizer state is those DTensors, keyed by parameter name exactly as
+`get_state_dict` keys any layout's, so DCP reshards a ZeRO-1 checkpoint into every other layout and
+back.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,53 +25,167 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
+from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.sync import SyncStrategy, TrainingState
 
 
-class ZeroOne(SyncStrategy):
-    """All-reduce data parallelism with the optimizer state sharded over `group`."""
+class ShardedOptimizer(torch.optim.Optimizer):
+    """What the loop steps: its groups hold the model's parameters (the loop sets the learning rate and
+    the loss scaler unscales full gradients there); `inner`, the same optimizer over this rank's shards,
+    does the update."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_of: dict[nn.Parameter, torch.Tensor]) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        inner_groups = [{**group, "params": [shard_of[p] for p in group["params"]]} for group in self.param_groups]
+        self.inner = type(optimizer)(inner_groups, lr=optimizer.defaults["lr"])  # groups carry the rest
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            inner.update({k: v for k, v in outer.items() if k != "params"})  # e.g. this step's learning rate
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
+
+
+class ZeroOne(SyncStrategy):
+    """Reduce-scatter gradients, step this rank's shard, all-gather parameters."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        shard_mesh: DeviceMesh,
+        replicate_group: dist.ProcessGroup | None,
+        bucket_mb: float,
+        stats: CommStats,
+    ) -> None:
+        self.mesh, self.replicate_group, self.stats = shard_mesh, replicate_group, stats
+        self.ranks, rank = shard_mesh.size(), shard_mesh.get_local_rank()
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shard_of: dict[nn.Parameter, torch.Tensor] = {}
+        for p in self.params:
+            rows = _rows_per_rank(p, self.ranks)
+            local = p.detach()[rank * rows : (rank + 1) * rows]  # a view: the step writes the model in place
+            self.shard_of[p] = DTensor.from_local(
+                local, shard_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+            ).requires_grad_()
+        self.buckets = _buckets(self.params, bucket_mb * 2**20)
 
     def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The same optimizer (class, groups, hyperparameters), sharded."""
-        return ZeroRedundancyOptimizer(
-            optimizer.param_groups,  # each group carries all its hyperparameters
-            optimizer_class=type(optimizer),
-            process_group=self.group,
-            lr=optimizer.defaults["lr"],
-        )
+        """The same optimizer (class, groups, hyperparameters), stepping this rank's shards."""
+        return ShardedOptimizer(optimizer, self.shard_of)
 
     def stepped_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer.optim
+        return optimizer.inner
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
         return ZeroOneState(model, optimizer, self)
 
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Averaged gradient shards onto the shard parameters; the full local gradients are freed."""
+        for bucket in self.buckets:
+            rows = [_padded_rows(p.grad if p.grad is not None else torch.zeros_like(p), self.ranks) for p in bucket]
+            full = torch.cat(rows, dim=1)  # (ranks, bucket's shard numel): row r is rank r's shards
+            mine = full.new_empty(full.shape[1])
+            self._count_ring_pass(mine)  # ring reduce-scatter: (ranks - 1) shards sent and received
+            dist.reduce_scatter_single(mine, full.view(-1), group=self.mesh.get_group())
+            if self.replicas > 1:
+                self.stats.all_reduce(mine, self.replicate_group)
+            mine /= self.ranks * self.replicas
+            for p, grad in zip(bucket, mine.split([r.shape[1] for r in rows]), strict=True):
+                local = self.shard_of[p].to_local()
+                self.shard_of[p].grad = DTensor.from_local(
+                    grad.view(-1, *p.shape[1:])[: local.shape[0]],
+                    self.mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+                p.grad = None
+
+    @torch.no_grad()
+    def after_step(self, steps_done: int, last: bool) -> None:
+        """Every rank gets the parameters the other ranks updated."""
+        for bucket in self.buckets:
+            shards = [_padded_rows(self.shard_of[p].to_local(), 1, _rows_per_rank(p, self.ranks)) for p in bucket]
+            mine = torch.cat(shards, dim=1)
+            gathered = mine.new_empty(self.ranks, mine.shape[1])
+            self._count_ring_pass(mine)  # ring all-gather: (ranks - 1) shards sent and received
+            dist.all_gather_single(gathered.view(-1), mine.view(-1), group=self.mesh.get_group())
+            offset = 0
+            for p in bucket:
+                numel = _rows_per_rank(p, self.ranks) * math.prod(p.shape[1:])
+                p.copy_(gathered[:, offset : offset + numel].reshape(-1, *p.shape[1:])[: p.shape[0]])
+                offset += numel
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """One norm over the averaged gradient shards (the full gradients are gone by now)."""
+        grads = [s.grad for s in self.shard_of.values() if s.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(list(self.shard_of.values()), max_norm, norm)
+        return norm
+
+    def _count_ring_pass(self, shard: torch.Tensor) -> None:
+        size = (self.ranks - 1) * shard.numel() * shard.element_size()
+        self.stats.count(size, size)
+
 
 class ZeroOneState(TrainingState):
-    """The optimizer state of the parameters this rank owns, keyed as `get_state_dict` keys a plain one's."""
+    """The optimizer state of this rank's shards, keyed as `get_state_dict` keys a plain optimizer's."""
 
     def model_and_optimizer(self) -> tuple[dict[str, Any], dict[str, Any]]:
         model_state = get_model_state_dict(self.model)
         name_of: dict[int, str] = {}
         for name, tensor in model_state.items():  # state-dict tensors share storage with the parameters
             name_of.setdefault(tensor.data_ptr(), name)  # a tied weight takes its first name, as in get_state_dict
+        shard_name = {id(shard): name_of[p.data_ptr()] for p, shard in self.sync.shard_of.items()}
 
-        local = self.optimizer.optim
-        _initialise_state(local)
-        flat = {f"state.{name_of[p.data_ptr()]}.{k}": v for p, state in local.state.items() for k, v in state.items()}
-        for group in self.optimizer.param_groups:  # the global groups: every parameter, on every rank
+        inner = self.optimizer.inner
+        _initialise_state(inner)
+        flat = {f"state.{shard_name[id(s)]}.{k}": v for s, state in inner.state.items() for k, v in state.items()}
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 flat.update({f"param_groups.{name_of[p.data_ptr()]}.{k}": v for k, v in group.items() if k != "params"})
         return model_state, flat
 
     def set_model_and_optimizer(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        # The optimizer's own state tensors were the load targets; the hyperparameters come from the config.
+        # The optimizer's state tensors were the load targets (the shards view the parameters, so they
+        # follow the model); the hyperparameters come from the config.
         set_state_dict(self.model, optimizers=(), model_state_dict=model_state, optim_state_dict={})
+
+
+def _rows_per_rank(p: torch.Tensor, ranks: int) -> int:
+    """Rows of dim 0 per rank, as `Shard(0)` splits them (`torch.chunk`: the last ranks may hold fewer)."""
+    return math.ceil(p.shape[0] / ranks)
+
+
+def _padded_rows(t: torch.Tensor, ranks: int, rows: int | None = None) -> torch.Tensor:
+    """`t` zero-padded along dim 0 to `ranks` x `rows` rows, as a (ranks, rows x row size) matrix."""
+    rows = _rows_per_rank(t, ranks) if rows is None else rows
+    padded = t.new_zeros(ranks * rows, *t.shape[1:])
+    padded[: t.shape[0]] = t
+    return padded.view(ranks, -1)
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
+    """Consecutive parameters in groups of about `bucket_bytes`: one collective each, bounded scratch memory."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if buckets[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    return buckets
 
 
 @torch.no_grad()

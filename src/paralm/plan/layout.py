@@ -36,11 +36,9 @@ class Workload:
     compression: str = "none"  # comm.compression of DDP's gradients: none | fp16 | bf16 | powersgd | topk
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
-    # How paralm implements ZeRO today; flip either to price the paper's algorithm instead:
-    # ZeRO-1 all-reduces gradients (DDP) then broadcasts the updated shards (ZeroRedundancyOptimizer)
-    # where the paper reduce-scatters; ZeRO-2/3 accumulate unsharded gradients with sync off until the
-    # last micro-step (FSDP2 `set_requires_gradient_sync`) where DeepSpeed reduce-scatters every one.
-    zero1_reduce_scatter: bool = False
+    # ZeRO-2/3 with grad_accum > 1: reduce-scatter after every micro-step and hold only the gradient
+    # shard (`parallel.shard_grads_every_microstep`, DeepSpeed's way), or once per step with whole
+    # gradients held until the last micro-step (FSDP2 with sync off, paralm's default).
     sharded_accumulation: bool = False
 
     @classmethod
@@ -61,6 +59,7 @@ class Workload:
             config.comm.compression,
             config.comm.powersgd_rank,
             config.comm.topk_ratio,
+            config.parallel.shard_grads_every_microstep,
         )
 
     @property

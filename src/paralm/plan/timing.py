@@ -7,9 +7,9 @@ Stated assumptions:
   blocks run their forward again;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path;
-- ZeRO as paralm implements it (`Workload.zero1_reduce_scatter`, `sharded_accumulation` price the
-  paper's): ZeRO-1 all-reduces gradients and broadcasts the updated shards, ZeRO-2/3 reduce
-  gradients once per step, after the last micro-step;
+- ZeRO as paralm implements it: ZeRO-1 reduce-scatters the accumulated gradients after backward (not
+  overlapped) and all-gathers the updated parameters, DDP's bytes; ZeRO-2/3 reduce gradients once per
+  step after the last micro-step, or after every one with `Workload.sharded_accumulation`;
 - data-parallel gradient reduction overlaps the backward of the last pipeline micro-batch (DDP's
   bucketed all-reduce; its last bucket is never hidden); ZeRO-3's parameter all-gathers are prefetched
   behind forward and backward except the first block's; ZeRO-1/2's all-gather of updated parameters
@@ -159,8 +159,8 @@ def _data_parallel(
     if layout.zero in (1, 2):
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
         gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
-        if layout.zero == 1 and not work.zero1_reduce_scatter:  # DDP's all-reduce, then the broadcasts
-            reduce = _gradient_all_reduce(work, params, dp_n, dp_link)
+        if layout.zero == 1:  # paralm.parallel.zero1: after backward, so nothing overlaps
+            return reduce + gather, reduce + gather
         # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
         reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1
         return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather
