@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import Config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -87,7 +88,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         model=model,
         module=module,
         runner=runner,
-        sync=_sync_strategy(model, runtime, config),
+        sync=_sync_strategy(model, module, runtime, config),
         runtime=runtime,
         config=config,
         zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 else 0,
@@ -95,12 +96,15 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     )
 
 
-def _sync_strategy(model: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
+def _sync_strategy(model: nn.Module, module: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
     if config.sync.mode in ("local_sgd", "diloco"):
         return ModelAverager(model, runtime, config.sync)
+    compressed = SyncStrategy()
+    if isinstance(module, DistributedDataParallel):  # its gradient hook (compression) may keep state
+        compressed = register_compression(module, runtime.dp_group, runtime.comm, config.comm)
     if config.parallel.zero == 1 and runtime.dims.dp > 1:
         return ZeroOne(runtime.mesh["dp_shard"].get_group())
-    return SyncStrategy()
+    return compressed
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
@@ -115,8 +119,7 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
     if runtime.dims.dp > 1 and not fsdp and config.sync.mode == "allreduce":  # other modes sync parameters
         if runtime.dims.tp > 1 or runtime.dims.pp > 1:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
-        ddp = apply_ddp(model, runtime, config.comm.bucket_mb)
-        return register_compression(ddp, runtime.dp_group, runtime.comm, config.comm)
+        return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `_sync_strategy`
     return model
 
 
