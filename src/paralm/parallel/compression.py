@@ -10,11 +10,18 @@
 - topk: each rank sends its k largest-magnitude entries per bucket (k = ceil(ratio x size)) as
   values and indices through one all-gather; what it did not send is added to its next gradient
   (error feedback, Stich et al. 2018), so no update is lost, only delayed.
+
+`CompressedAllReduce` is the sync strategy of a compressed DDP: it checkpoints the hooks' state
+(PowerSGD's error feedback, warm-start P and Q and step counter; top-k's residuals), which differs
+across ranks, under `rank<r>.` keys. Entries are per DDP bucket, as the hooks keep them: a resumed DDP
+buckets its first step by parameter order and then by gradient order, so resuming is exact when those
+agree (one bucket for small models; tested) and the rank count is the same (else refused).
 """
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +30,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import CommConfig
+from paralm.errors import UserError
+from paralm.parallel.bucket_state import BucketState, Layout, LayoutOf, buffer_layout
 from paralm.parallel.comm_stats import CommStats
+from paralm.parallel.sync import SyncStrategy
 
 Future = torch.futures.Future[torch.Tensor]  # DDP checks hooks' annotations at runtime: no string annotations here
 
@@ -34,25 +44,63 @@ class HookState:
     stats: CommStats
     topk_ratio: float = 0.0
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # top-k error feedback, per bucket
+    buckets: BucketState | None = None  # the residuals by parameter, for layout changes and checkpoints
+
+
+class CompressedAllReduce(SyncStrategy):
+    """All-reduce data parallelism whose DDP hook keeps per-rank state: that state, for checkpoints."""
+
+    def __init__(self, hook_state: "HookState | CountedPowerSGD", rank: int, ranks: int, device: torch.device) -> None:
+        self.hook_state, self.prefix, self.ranks, self.device = hook_state, f"rank{rank}.", ranks, device
+        self.to_load: dict[str, torch.Tensor] = {}  # the hooks create their state lazily: load targets
+
+    def before_load(self, saved: dict[str, Any]) -> None:
+        ranks = {key.split(".")[1] for key in saved if key.startswith("sync.rank")}
+        if ranks and len(ranks) != self.ranks:
+            raise UserError(
+                f"this checkpoint holds the gradient-compression error feedback of {len(ranks)} ranks, and this "
+                f"run has {self.ranks}: resume it with {len(ranks)} data-parallel ranks"
+            )
+        mine = "sync." + self.prefix
+        self.to_load = {
+            key[len("sync.") :]: torch.empty(meta.size, dtype=meta.properties.dtype, device=self.device)
+            for key, meta in saved.items()
+            if key.startswith(mine)
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors = self.hook_state.buckets.by_parameter()
+        if isinstance(self.hook_state, CountedPowerSGD):
+            tensors["iter"] = torch.tensor(self.hook_state.powersgd.iter, device=self.device)
+        return self.to_load | {self.prefix + key: value for key, value in tensors.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = {key[len(self.prefix) :]: value for key, value in state.items() if key.startswith(self.prefix)}
+        self.to_load = {}
+        self.hook_state.buckets.load(mine)
+        if isinstance(self.hook_state, CountedPowerSGD) and "iter" in mine:
+            self.hook_state.powersgd.iter = int(mine["iter"])
 
 
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
-) -> DistributedDataParallel:
-    """Install the configured hook; every byte DDP all-reduces is then counted in `stats`."""
+) -> SyncStrategy:
+    """Install the configured hook (every byte DDP all-reduces is then counted in `stats`); returns the
+    sync strategy that checkpoints the hook's state."""
     if comm.compression == "none":
         count_native_allreduce(ddp, group, stats)
-        return ddp
+        return SyncStrategy()
+    names = {p.data_ptr(): name for name, p in ddp.module.named_parameters()}
     state = HookState(group, stats, comm.topk_ratio)
+    state.buckets = BucketState({"residual": (state.residuals, buffer_layout(names))})
     if comm.compression == "powersgd":
-        state = CountedPowerSGD(
-            powersgd.PowerSGDState(
-                process_group=group,
-                matrix_approximation_rank=comm.powersgd_rank,
-                start_powerSGD_iter=comm.powersgd_start_step,
-            ),
-            stats,
+        psgd = powersgd.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=comm.powersgd_rank,
+            start_powerSGD_iter=comm.powersgd_start_step,
         )
+        tables = {"error": (psgd.error_dict, buffer_layout(names)), "q": (psgd.q_memory_dict, q_layout(names, psgd))}
+        state = CountedPowerSGD(psgd, stats, BucketState(tables))
     hooks: dict[str, Callable] = {
         "fp16": default_hooks.fp16_compress_wrapper(allreduce_hook),
         "bf16": bf16_compress_wrapper(allreduce_hook),
@@ -60,7 +108,10 @@ def register_compression(
         "topk": topk_hook,
     }
     ddp.register_comm_hook(state, hooks[comm.compression])
-    return ddp
+    if comm.compression in ("fp16", "bf16"):  # stateless casts
+        return SyncStrategy()
+    device = next(ddp.module.parameters()).device
+    return CompressedAllReduce(state, dist.get_rank(group), dist.get_world_size(group), device)
 
 
 def count_native_allreduce(ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats) -> None:
@@ -100,6 +151,33 @@ def bf16_compress_wrapper(hook: Callable) -> Callable:
 class CountedPowerSGD:
     powersgd: powersgd.PowerSGDState
     stats: CommStats
+    buckets: BucketState  # error feedback and warm-start Q by parameter, for layout changes and checkpoints
+
+
+def compressed_matrices(bucket: dist.GradBucket, psgd: powersgd.PowerSGDState) -> list[tuple[int, int, int, int]]:
+    """(parameter index in the bucket, rows n, columns m, rank r) of each gradient PowerSGD compresses, in
+    the order its hook lays out their P and Q factors (grouped by shape, as `powerSGD_hook` does)."""
+    by_shape: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for i, grad in enumerate(bucket.gradients()):
+        n, m = grad.view(grad.shape[0], -1).shape
+        r = min(n, m, psgd.matrix_approximation_rank)
+        # PyTorch's own test of whether a matrix is worth compressing (no public equivalent)
+        if powersgd._should_compress(n, m, r, psgd.min_compression_rate)[0]:
+            by_shape.setdefault((n, m), []).append((i, n, m, r))
+    return [matrix for group in by_shape.values() for matrix in group]
+
+
+def q_layout(names: dict[int, str], psgd: powersgd.PowerSGDState) -> LayoutOf:
+    """Where each compressed gradient's warm-start Q (m x r) lies in the bucket's Q memory."""
+
+    def layout(bucket: dist.GradBucket) -> Layout:
+        params, slots, offset = bucket.parameters(), [], 0
+        for i, _, m, r in compressed_matrices(bucket, psgd):
+            slots.append((names[params[i].data_ptr()], offset, m * r))
+            offset += m * r
+        return slots, offset
+
+    return layout
 
 
 def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
@@ -107,6 +185,14 @@ def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
     (uncompressed vectors plus the P and Q factors); before its start step it all-reduces the bucket."""
     psgd = state.powersgd
     compressing = psgd.iter >= psgd.start_powerSGD_iter
+    state.buckets.align(bucket)
+    index = bucket.index()
+    if index in psgd.q_memory_dict:  # a restored Q: PowerSGD warm-starts from it if P memory exists too
+        p_numel = sum(n * r for _, n, _, r in compressed_matrices(bucket, psgd))
+        if psgd.p_memory_dict.get(index, torch.empty(0)).numel() != p_numel:
+            psgd.p_memory_dict[index] = torch.empty(p_numel, dtype=bucket.buffer().dtype, device=bucket.buffer().device)
+    else:
+        psgd.p_memory_dict.pop(index, None)
     before = psgd.total_numel_after_compression
     future = powersgd.powerSGD_hook(psgd, bucket)
     buffer = bucket.buffer()
@@ -119,8 +205,9 @@ def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
 
 def topk_hook(state: HookState, bucket: dist.GradBucket) -> Future:
     buffer = bucket.buffer()
+    state.buckets.align(bucket)  # DDP rebuilds its buckets once, after the first step
     residual = state.residuals.get(bucket.index())
-    if residual is not None and residual.shape == buffer.shape:  # DDP rebuilds its buckets once, after step 0
+    if residual is not None:
         buffer.add_(residual)
     k = max(1, math.ceil(state.topk_ratio * buffer.numel()))
     indices = buffer.abs().topk(k, sorted=False).indices

@@ -15,32 +15,87 @@ right after an averaging (checked in config). The last step always averages, so 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from paralm.config import SyncConfig
+from paralm.errors import UserError
 from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import SyncStrategy
+from paralm.parallel.sync import FLAT, SyncStrategy
 
 
 class ModelAverager(SyncStrategy):
     """Parameters averaged (local SGD) or an outer step taken on their mean change (DiLoCo) every H steps.
 
-    Its `state_dict` is still empty: the replicas' own optimizer state is in the optimizer's, saved
-    from one rank (replicas agree right after an averaging), and the DiLoCo outer momentum is not
-    yet checkpointed (a resumed DiLoCo run restarts it from zero).
+    Checkpoints come right after an averaging, when parameters (and DiLoCo's anchor, equal to them) agree
+    but each replica's optimizer moments differ: its `state_dict` holds every replica's optimizer state
+    under `replica<r>.` (distinct keys, so DCP keeps each rank's copy) and DiLoCo's outer momentum,
+    which is the same on every replica. A checkpoint of another replica count is refused; one without
+    replica state (e.g. all-reduce) starts every replica from its shared optimizer state.
     """
 
     def __init__(self, model: nn.Module, runtime: Runtime, sync: SyncConfig) -> None:
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.runtime, self.every = runtime, sync.local_steps
+        self.optimizer: torch.optim.Optimizer | None = None
         self.outer: torch.optim.Optimizer | None = None
         if sync.mode == "diloco":
             self.anchor = [p.detach().clone() for p in self.params]  # theta_global, identical on every replica
             self.outer = torch.optim.SGD(
                 self.anchor, lr=sync.outer_lr, momentum=sync.outer_momentum, nesterov=sync.outer_momentum > 0
             )
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.optimizer = optimizer  # its state is per replica: saved by `state_dict`
+        return optimizer
+
+    def _replica(self, rank: int) -> str:
+        return f"replica{rank}."
+
+    def state_dict(self) -> dict[str, Any]:
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+        mine = self._replica(self.runtime.dp_rank)
+        # copies: `optim` shares tensors with the optimizer, which DCP also loads into from the checkpoint's
+        # (one replica's) optimizer entry
+        state: dict[str, Any] = {mine + key: value.clone() for key, value in optim.items() if key.startswith("state.")}
+        if self.outer is not None:
+            for i, anchor in enumerate(self.anchor):
+                buffers = self.outer.state[anchor]
+                if "momentum_buffer" not in buffers:  # zeros step exactly like PyTorch's first (dampening 0)
+                    buffers["momentum_buffer"] = torch.zeros_like(anchor)
+                state[f"outer_momentum.{i}"] = buffers["momentum_buffer"]
+        return state
+
+    def before_load(self, saved: dict[str, Any]) -> None:
+        """A checkpoint of another replica count cannot give each replica its own moments: refused."""
+        saved = {int(k[len("sync.replica") :].split(".")[0]) for k in saved if k.startswith("sync.replica")}
+        if saved and len(saved) != self.runtime.dims.dp:
+            raise UserError(
+                f"this checkpoint holds the optimizer state of {len(saved)} {self._mode()} replicas, and this run "
+                f"has {self.runtime.dims.dp}: resume it with {len(saved)} data-parallel ranks"
+            )
+
+    def _mode(self) -> str:
+        return "local SGD" if self.outer is None else "DiLoCo"
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self._replica(self.runtime.dp_rank)
+        replica = {key[len(mine) :]: value for key, value in state.items() if key.startswith(mine)}
+        if replica:  # else the checkpoint had none: every replica keeps the shared optimizer state
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+            set_optimizer_state_dict(self.model, self.optimizer, optim | replica, options=FLAT)
+        if self.outer is not None:  # the anchor is the averaged parameters the checkpoint was taken at
+            for anchor, p in zip(self.anchor, self.params, strict=True):
+                anchor.copy_(p.detach())
+            for i, anchor in enumerate(self.anchor):
+                if f"outer_momentum.{i}" in state:
+                    self.outer.state[anchor]["momentum_buffer"] = state[f"outer_momentum.{i}"]
 
     @torch.no_grad()
     def after_step(self, steps_done: int, last: bool) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import Config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -89,7 +90,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         model=model,
         module=module,
         runner=runner,
-        sync=_sync_strategy(model, runtime, config),
+        sync=_sync_strategy(model, module, runtime, config),
         runtime=runtime,
         config=config,
         zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 else 0,
@@ -97,12 +98,14 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     )
 
 
-def _sync_strategy(model: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
+def _sync_strategy(model: nn.Module, module: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
     if config.sync.mode in ("local_sgd", "diloco"):
         return ModelAverager(model, runtime, config.sync)
     if _zero_one(config, runtime):
         replicate = runtime.mesh["dp_replicate"].get_group() if runtime.dims.dp_replicate > 1 else None
         return ZeroOne(model, runtime.mesh["dp_shard"], replicate, config.comm.bucket_mb, runtime.comm)
+    if isinstance(module, DistributedDataParallel):  # its gradient hook (compression) may keep state
+        return register_compression(module, runtime.dp_group, runtime.comm, config.comm)
     return SyncStrategy()
 
 
@@ -128,8 +131,7 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
         # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
         if runtime.dims.tp > 1 or runtime.dims.pp > 1:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
-        ddp = apply_ddp(model, runtime, config.comm.bucket_mb)
-        return register_compression(ddp, runtime.dp_group, runtime.comm, config.comm)
+        return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `_sync_strategy`
     return model
 
 

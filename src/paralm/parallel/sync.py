@@ -3,9 +3,12 @@
 A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per
 step `after_backward` (gradients are final) and `after_step` (the optimizer has stepped: local SGD and
 DiLoCo average there). Its own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol)
-travels in every checkpoint beside the model and optimizer, under `sync`: per-rank state such as
-error-feedback residuals or a replica's optimizer moments belongs there, keyed by rank so DCP keeps
-every rank's copy.
+travels in every checkpoint beside the model and optimizer, under `sync`, as one flat dict: per-rank
+state such as error-feedback residuals or a replica's optimizer moments belongs there, keyed by rank
+so DCP keeps every rank's copy (equal keys are saved from one rank only). Before loading, the
+strategy sees the checkpoint's entries (`before_load`): it refuses a layout it cannot continue exactly
+and allocates what it creates lazily; its keys the checkpoint lacks are not loaded (a checkpoint of
+another mode starts them fresh).
 
 The base class is all-reduce data parallelism, where DDP or FSDP sync gradients inside backward and
 nothing is left to do after it.
@@ -71,6 +74,10 @@ class SyncStrategy(Stateful):
 
     def after_step(self, steps_done: int, last: bool) -> None:
         """The optimizer has stepped `steps_done` times in all; `last`: the run ends after this step."""
+
+    def before_load(self, saved: dict[str, Any]) -> None:
+        """`saved`: the checkpoint's entries (DCP's flat names and metadata). Raise a `UserError` if they
+        cannot resume here; make load targets for state created lazily."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

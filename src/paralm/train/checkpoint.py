@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from paralm.config import CONFIG_FILE, Config, ModelConfig, read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
+from paralm.parallel.sync import TrainingState
 from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
 from paralm.train.integrity import MANIFEST_FILE, damage, write_manifest
 
@@ -257,14 +258,18 @@ def load_checkpoint(
     if isinstance(state, nn.Module):
         state = ModelState(state)
     progress = read_trainer_state(path)
-    target = state.state_dict()  # DCP loads into these tensors
     reader = SafeFileSystemReader(path)
     try:
-        reader.read_metadata()  # fail here with one line, before DCP logs a traceback per rank
+        saved = reader.read_metadata().state_dict_metadata  # fail here with one line, not one per rank
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError) as e:
         raise UserError(
             f"checkpoint metadata {path / '.metadata'} cannot be read ({e}): use another checkpoint"
         ) from None
+    if isinstance(state, TrainingState):
+        state.sync.before_load(saved)
+    target = state.state_dict()  # DCP loads into these tensors
+    if "sync" in target:  # strategy state another mode did not write starts fresh
+        target["sync"] = {key: value for key, value in target["sync"].items() if f"sync.{key}" in saved}
     try:
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except CheckpointException as e:  # gathered from every rank
