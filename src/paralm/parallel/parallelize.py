@@ -90,15 +90,15 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         sync=_sync_strategy(model, runtime, config),
         runtime=runtime,
         config=config,
-        zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 else 0,
-        scaler_group=runtime.dp_group if uses_fsdp(config.parallel.zero, runtime.dims) else None,
+        zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 or runtime.forced else 0,
+        scaler_group=runtime.dp_group if uses_fsdp(config.parallel.zero, runtime.data_parallel) else None,
     )
 
 
 def _sync_strategy(model: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
     if config.sync.mode in ("local_sgd", "diloco"):
         return ModelAverager(model, runtime, config.sync)
-    if config.parallel.zero == 1 and runtime.dims.dp > 1:
+    if config.parallel.zero == 1 and runtime.data_parallel:
         return ZeroOne(runtime.mesh["dp_shard"].get_group())
     return SyncStrategy()
 
@@ -108,11 +108,11 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
     if runtime.dims.tp > 1:
         apply_tensor_parallel(model, runtime.mesh["tp"], config.parallel.sequence_parallel)
     apply_activation_checkpointing(model, config.train)
-    fsdp = uses_fsdp(config.parallel.zero, runtime.dims)
+    fsdp = uses_fsdp(config.parallel.zero, runtime.data_parallel)
     if fsdp:
         apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 shards the optimizer: paralm.parallel.zero1)
     _materialize(model, runtime, config)  # after sharding, so each rank allocates only its shards
-    if runtime.dims.dp > 1 and not fsdp and config.sync.mode == "allreduce":  # other modes sync parameters
+    if runtime.data_parallel and not fsdp and config.sync.mode == "allreduce":  # other modes sync parameters
         if runtime.dims.tp > 1 or runtime.dims.pp > 1:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
         ddp = apply_ddp(model, runtime, config.comm.bucket_mb)
