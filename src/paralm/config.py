@@ -96,6 +96,9 @@ class ParallelConfig:
     pp_microbatches: int = option(0, "micro-batches per pipeline step; 0: pp")
     pp_virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved and V schedules)")
     pp_split: list[int] = option([], "layers per stage, overriding the balanced split")
+    force_distributed: bool = option(
+        False, "under torchrun, take the distributed code paths (process group, mesh, DDP/FSDP) even with one rank"
+    )
     auto: bool = option(False, "the planner picks the fastest layout that fits (command-line fields stay)")
 
 
@@ -119,6 +122,11 @@ class SyncConfig:
     )
     ps_servers: int = option(1, "parameter_server: ranks (the first ones) that hold parameters and optimizer state")
     ps_async: bool = option(False, "parameter_server: apply each worker's gradient as it arrives (no step barrier)")
+    ps_server_device: str = option(
+        "auto",
+        "parameter_server: where servers hold parameters and optimizer state (auto: the workers' device)",
+        ("auto", "cpu", "cuda"),
+    )
     max_staleness: int = option(4, "async parameter server: most updates a gradient's parameters may be behind")
     local_steps: int = option(8, "local_sgd/diloco: optimizer steps each replica takes alone between averagings")
     outer_lr: float = option(0.7, "diloco: learning rate of the outer Nesterov SGD on the averaged change")

@@ -323,8 +323,8 @@ def check_vocab_size(config: Config, tokenizer_vocab: int, data_dir: Path) -> No
 
 
 def check_parameter_server(config: Config, device_type: str) -> None:
-    if config.sync.ps_async and device_type != "cpu":
-        raise UserError("sync.ps_async = true receives from whichever worker is first, which needs gloo: use CPUs")
+    if config.sync.ps_server_device == "cuda" and device_type != "cuda":
+        raise UserError('sync.ps_server_device = "cuda" but no GPU is visible: use "auto" or "cpu"')
 
 
 def check_server_count(servers: int, tensors: int) -> None:

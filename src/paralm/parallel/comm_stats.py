@@ -54,29 +54,32 @@ class CommStats:
         self.count(ring, ring)
         return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
         self.count(tensor.numel() * tensor.element_size(), 0)
-        dist.send(tensor, dst, tag=tag)
+        dist.send(tensor, dst, group=group, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
+    def recv(
+        self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: dist.ProcessGroup | None = None
+    ) -> int:
         """Receive into `tensor` from `src` (from whichever rank sends first when None); returns the sender."""
-        sender = dist.recv(tensor, src, tag=tag)
+        sender = dist.recv(tensor, src, group=group, tag=tag)
         self.count(0, tensor.numel() * tensor.element_size())
         return sender
 
-    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
-        """A state dict (tensors, numbers, strings), pickled: its length, then its bytes."""
+    def send_object(self, obj: Any, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
+        """A state dict (tensors, numbers, strings), pickled: its length, then its bytes (CPU tensors:
+        `group` must be a gloo group)."""
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-        self.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag)
-        self.send(data, dst, tag)
+        self.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag, group)
+        self.send(data, dst, tag, group)
 
-    def recv_object(self, src: int, tag: int = 0) -> Any:
+    def recv_object(self, src: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> Any:
         length = torch.zeros(1, dtype=torch.int64)
-        self.recv(length, src, tag)
+        self.recv(length, src, tag, group)
         data = torch.empty(int(length.item()), dtype=torch.uint8)
-        self.recv(data, src, tag)
+        self.recv(data, src, tag, group)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
     def take_step(self) -> tuple[int, int]:

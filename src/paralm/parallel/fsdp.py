@@ -27,13 +27,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from paralm.config import Config
 from paralm.dtypes import torch_dtype
-from paralm.parallel.dims import ParallelDims
 from paralm.parallel.runtime import Runtime
 
 
-def uses_fsdp(zero: int, dims: ParallelDims) -> bool:
-    """ZeRO-2 and 3 shard through FSDP whenever there is more than one data-parallel rank."""
-    return zero >= 2 and dims.dp > 1
+def uses_fsdp(zero: int, data_parallel: bool) -> bool:
+    """ZeRO-2 and 3 shard through FSDP whenever there are data-parallel ranks (`Runtime.data_parallel`)."""
+    return zero >= 2 and data_parallel
 
 
 def fsdp_mesh(runtime: Runtime) -> DeviceMesh:

@@ -93,7 +93,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         sync=_sync_strategy(model, module, runtime, config),
         runtime=runtime,
         config=config,
-        zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 else 0,
+        zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 or runtime.forced else 0,
         scaler_group=runtime.dp_group if shards_gradients(config, runtime) else None,
     )
 
@@ -110,12 +110,12 @@ def _sync_strategy(model: nn.Module, module: nn.Module, runtime: Runtime, config
 
 
 def _zero_one(config: Config, runtime: Runtime) -> bool:
-    return config.parallel.zero == 1 and runtime.dims.dp > 1 and config.sync.mode == "allreduce"
+    return config.parallel.zero == 1 and runtime.data_parallel and config.sync.mode == "allreduce"
 
 
 def shards_gradients(config: Config, runtime: Runtime) -> bool:
     """Each rank ends a step with a shard of the gradients (FSDP, ZeRO-1), so overflow checks must agree."""
-    return uses_fsdp(config.parallel.zero, runtime.dims) or _zero_one(config, runtime)
+    return uses_fsdp(config.parallel.zero, runtime.data_parallel) or _zero_one(config, runtime)
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
@@ -123,11 +123,11 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
     if runtime.dims.tp > 1:
         apply_tensor_parallel(model, runtime.mesh["tp"], config.parallel.sequence_parallel)
     apply_activation_checkpointing(model, config.train)
-    fsdp = uses_fsdp(config.parallel.zero, runtime.dims)
+    fsdp = uses_fsdp(config.parallel.zero, runtime.data_parallel)
     if fsdp:
         apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 syncs after backward: paralm.parallel.zero1)
     _materialize(model, runtime, config)  # after sharding, so each rank allocates only its shards
-    if runtime.dims.dp > 1 and not fsdp and not _zero_one(config, runtime) and config.sync.mode == "allreduce":
+    if runtime.data_parallel and not fsdp and not _zero_one(config, runtime) and config.sync.mode == "allreduce":
         # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
         if runtime.dims.tp > 1 or runtime.dims.pp > 1:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages

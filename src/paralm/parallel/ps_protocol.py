@@ -3,6 +3,14 @@
 Every message is a `Header` (a small float64 tensor of its fields), followed for parameters and
 gradients by a flat payload in the parameters' dtype. Tags keep the streams apart, so a server can
 wait for "the next header from anyone" without taking a payload or a checkpoint transfer instead.
+
+Where they travel: headers are host metadata and always go through the gloo group (`host_group`):
+the asynchronous lead server receives "from whichever worker is first", which NCCL cannot do, and a
+header's sender is then known. Payloads go on the device group (NCCL on GPUs) when the servers hold
+their slice on the workers' kind of device, so GPU workers and GPU servers never copy through the host;
+with servers on the CPU (`sync.ps_server_device = "cpu"`) they travel on gloo as CPU tensors, copied
+at the worker's end. Each pair of ranks sends payloads in the order it sends headers, so the receiver
+of a header knows which payload comes next, whichever group carries it.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import enum
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from paralm.config import SyncConfig
 from paralm.parallel.comm_stats import CommStats
 from paralm.rules import check_server_count
 
@@ -81,27 +91,42 @@ KINDS |= {name: float for name in HEADER_FIELDS if name not in KINDS}
 HEADER_BYTES = len(HEADER_FIELDS) * 8
 
 
+def server_device(sync: SyncConfig, device: torch.device) -> torch.device:
+    """Where the servers hold their slice, given the job's device (`device`: cuda on GPU machines)."""
+    return torch.device("cpu") if sync.ps_server_device == "cpu" else device
+
+
 @dataclass
 class Endpoint:
-    """This rank's end of the parameter-server messages, counted in `stats`."""
+    """This rank's end of the parameter-server messages, counted in `stats`: headers on `host_group`
+    (gloo), payloads in `device` on `payload_group` (None: the default group)."""
 
     stats: CommStats
     device: torch.device
+    host_group: dist.ProcessGroup | None
+    payload_group: dist.ProcessGroup | None
+
+    @classmethod
+    def between(cls, stats: CommStats, sync: SyncConfig, device: torch.device, host_group: dist.ProcessGroup | None):
+        """The link between workers and servers in a job on `device`: payloads on the device group when
+        the servers hold their slice on that kind of device, else on gloo in host memory."""
+        on_device = server_device(sync, device).type == device.type
+        return cls(stats, device if on_device else torch.device("cpu"), host_group, None if on_device else host_group)
 
     def send(self, dst: int, head: Header, payload: torch.Tensor | None = None, tag: Tag = Tag.HEADER) -> None:
-        self.stats.send(head.to_tensor(), dst, tag)
+        self.stats.send(head.to_tensor(), dst, tag, self.host_group)
         if payload is not None:
-            self.stats.send(payload, dst, Tag.PAYLOAD)
+            self.stats.send(payload.to(self.device), dst, Tag.PAYLOAD, self.payload_group)
 
     def recv(self, src: int | None, tag: Tag = Tag.HEADER) -> tuple[int, Header]:
         """A header from `src` (from whichever rank sends first when None): (sender, header)."""
         message = torch.empty(len(HEADER_FIELDS), dtype=torch.float64)
-        sender = self.stats.recv(message, src, tag)
+        sender = self.stats.recv(message, src, tag, self.host_group)
         return sender, Header.from_tensor(message)
 
     def recv_payload(self, src: int, like: list[torch.Tensor]) -> torch.Tensor:
         payload = torch.empty(sum(t.numel() for t in like), dtype=like[0].dtype, device=self.device)
-        self.stats.recv(payload, src, Tag.PAYLOAD)
+        self.stats.recv(payload, src, Tag.PAYLOAD, self.payload_group)
         return payload
 
 

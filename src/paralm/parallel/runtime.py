@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paralm.compat import flatten_mesh
 from paralm.config import ParallelConfig
+from paralm.errors import UserError
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.dims import MESH_DIMS, ParallelDims
 
@@ -33,6 +34,11 @@ class Runtime:
     servers: int = 0  # parameter-server ranks (the first ones): outside the mesh, they run no model
     group: dist.ProcessGroup | None = None  # the ranks that step together: all (None), the workers, or the servers
     comm: CommStats = field(default_factory=CommStats)  # bytes this rank hands to torch.distributed
+    # gloo groups for host metadata (headers, counters, flags), which NCCL cannot carry: every rank, and
+    # the ranks that step together (`group`'s ranks); None for a single process
+    host_group: dist.ProcessGroup | None = None
+    host_step_group: dist.ProcessGroup | None = None
+    forced: bool = False  # `parallel.force_distributed`: one rank taking the distributed code paths
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +50,12 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.forced
+
+    @property
+    def data_parallel(self) -> bool:
+        """Replicas sync through DDP, FSDP or averaging: with several, or one forced to (NCCL checks on one GPU)."""
+        return self.dims.dp > 1 or self.forced
 
     @property
     def dp_rank(self) -> int:
@@ -58,6 +69,12 @@ class Runtime:
         """In-place all-reduce over the ranks that step together; a no-op for a single process."""
         if self.distributed:
             dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def host_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """`all_reduce` of a CPU tensor over the ranks that step together, on their gloo group."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=op, group=self.host_step_group)
         return tensor
 
     def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
@@ -94,8 +111,11 @@ def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minute
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     dims = ParallelDims.from_config(parallel, world_size, servers)
     device = select_device(local_rank)
-    mesh = dp_mesh = group = None
-    if world_size > 1:
+    mesh = dp_mesh = group = host = host_step = None
+    forced = parallel.force_distributed and world_size == 1
+    if forced and "MASTER_ADDR" not in os.environ:
+        raise UserError("parallel.force_distributed = true needs a launcher: run under torchrun --nproc-per-node 1")
+    if world_size > 1 or forced:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
@@ -115,7 +135,31 @@ def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minute
             group = server_group if rank < servers else dp_mesh.get_group()
             if rank < servers:
                 mesh = dp_mesh = None
-    return Runtime(rank, local_rank, world_size, device, dims, mesh, dp_mesh, servers, group)
+        host, host_step = _host_groups(rank, world_size, servers)
+    return Runtime(
+        rank,
+        local_rank,
+        world_size,
+        device,
+        dims,
+        mesh,
+        dp_mesh,
+        servers,
+        group,
+        host_group=host,
+        host_step_group=host_step,
+        forced=forced,
+    )
+
+
+def _host_groups(rank: int, world_size: int, servers: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """gloo groups for host metadata: all ranks, and this rank's side (servers or workers) when a
+    parameter server splits the job. Every rank takes part in creating every group, in one order."""
+    host = dist.new_group(backend="gloo")
+    if not servers:
+        return host, host
+    sides = [dist.new_group(list(r), backend="gloo") for r in (range(servers), range(servers, world_size))]
+    return host, sides[rank >= servers]
 
 
 def _restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

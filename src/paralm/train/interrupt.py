@@ -2,7 +2,8 @@
 
 A signal raising mid-step would leave ranks in different collectives (a hang, then a traceback per
 rank). Instead the handler only records the signal; the loop asks `agreed()` once per step, an
-all-reduce of the flag, so every rank stops after the same step and can save a checkpoint together.
+all-reduce of the flag on the host (gloo) group, so every rank stops after the same step and can save
+a checkpoint together.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class StopSignals:
 
     def agreed(self, runtime: Runtime) -> int:
         """Collective: the signal any rank received (SIGTERM wins over SIGINT), 0 for none."""
-        flag = torch.tensor([self.signum], device=runtime.device)
-        return int(runtime.all_reduce(flag, dist.ReduceOp.MAX).item())
+        flag = torch.tensor([self.signum])  # a host flag: on the gloo group, no device round trip
+        return int(runtime.host_all_reduce(flag, dist.ReduceOp.MAX).item())
 
 
 def signal_name(signum: int) -> str:

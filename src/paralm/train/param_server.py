@@ -36,8 +36,9 @@ def run_parameter_server(config: Config, runtime: Runtime, trainer: Callable[[Co
     check_parameter_server(config, runtime.device.type)
     if runtime.local_rank == 0:  # a server here, which builds no Trainer: it prepares the data for the workers'
         dataset_dir(config.data)
-    solo = dist.new_group([LEAD])  # the lead server writes checkpoints alone; every rank takes part in creating it
-    dist.barrier()
+    # the lead server writes checkpoints alone (DCP's metadata on gloo); every rank takes part in creating it
+    solo = dist.new_group([LEAD], backend="gloo")
+    dist.barrier(group=runtime.host_group)
     if runtime.is_server:
         Server(config, runtime, solo).serve()
     else:

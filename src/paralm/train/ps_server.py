@@ -33,11 +33,11 @@ class Server:
     def __init__(self, config: Config, runtime: Runtime, solo: dist.ProcessGroup) -> None:
         self.config, self.runtime = config, runtime
         self.lead = runtime.rank == LEAD
-        self.link = Endpoint(runtime.comm, runtime.device)
+        self.link = Endpoint.between(runtime.comm, config.sync, runtime.device, runtime.host_group)
         self.peers = CommStats()  # server-to-server bytes, kept apart: the workers report all others
-        self.peer_link = Endpoint(self.peers, runtime.device)
+        self.peer_link = Endpoint.between(self.peers, config.sync, runtime.device, runtime.host_group)
         self.servers, self.workers = runtime.servers, runtime.dims.dp
-        self.shard = ServerShard(config, runtime, self.peers, solo)
+        self.shard = ServerShard(config, runtime, self.peers, solo, self.link.device)
         t = config.train
         self.per_push = t.grad_accum * t.micro_batch_size
         self.update_batch = self.per_push * (1 if config.sync.ps_async else self.workers)

@@ -25,10 +25,13 @@ from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
 
 
 class ServerShard:
-    def __init__(self, config: Config, runtime: Runtime, peers: CommStats, solo: dist.ProcessGroup) -> None:
+    def __init__(
+        self, config: Config, runtime: Runtime, peers: CommStats, solo: dist.ProcessGroup, device: torch.device
+    ) -> None:
         self.config, self.runtime, self.peers, self.solo = config, runtime, peers, solo
-        self.lead, self.servers, self.device = runtime.rank == LEAD, runtime.servers, runtime.device
-        self.model = GPT(config.model).to(runtime.device)  # the whole structure; only the owned slice is stepped
+        self.lead, self.servers, self.device = runtime.rank == LEAD, runtime.servers, device
+        self.host = runtime.host_group  # optimizer state and checkpoint slices travel pickled, on gloo
+        self.model = GPT(config.model).to(device)  # the whole structure; only the owned slice is stepped
         self.params = list(self.model.parameters())
         self.bounds = shard_bounds([p.numel() for p in self.params], self.servers)
         mine = self.bounds[runtime.rank]
@@ -51,9 +54,9 @@ class ServerShard:
             self._restore()
             for server in range(1, self.servers):
                 state = {"version": self.version, "samples_seen": self.samples_seen, "optim": self._slice_state(server)}
-                self.peers.send_object(state, server, Tag.STATE)
+                self.peers.send_object(state, server, Tag.STATE, self.host)
         else:
-            state = self.peers.recv_object(LEAD, Tag.STATE)
+            state = self.peers.recv_object(LEAD, Tag.STATE, self.host)
             self.version, self.samples_seen = state["version"], state["samples_seen"]
             self._set_state(state["optim"])
         self.peers.take_step()  # not synchronisation traffic: in the summary, not in a row
@@ -86,11 +89,13 @@ class ServerShard:
         and returns where."""
         if not self.lead:
             mine = {i: self.params[i].detach() for i in self.bounds[self.runtime.rank]}
-            self.peers.send_object({"params": mine, "optim": self._slice_state(self.runtime.rank)}, LEAD, Tag.STATE)
+            self.peers.send_object(
+                {"params": mine, "optim": self._slice_state(self.runtime.rank)}, LEAD, Tag.STATE, self.host
+            )
             self.peers.take_step()
             return None
         for server in range(1, self.servers):
-            shard = self.peers.recv_object(server, Tag.STATE)
+            shard = self.peers.recv_object(server, Tag.STATE, self.host)
             for index, value in shard["params"].items():
                 self.params[index].copy_(value)
             self._set_state(shard["optim"])
@@ -113,10 +118,11 @@ class ServerShard:
             p.grad = grad
         norm = 0.0
         if clip:
-            squares = torch.nn.utils.get_total_norm([p.grad for p in self.owned]).float() ** 2
+            # on the servers' device group, wherever the slices are held
+            squares = (torch.nn.utils.get_total_norm([p.grad for p in self.owned]).float() ** 2).to(self.runtime.device)
             if self.servers > 1:
                 self.peers.all_reduce(squares, self.runtime.group)
-            total = squares.sqrt()
+            total = squares.sqrt().to(self.device)
             torch.nn.utils.clip_grads_with_norm_(self.owned, clip, total)
             norm = total.item()
         set_learning_rate(self.optimizer, learning_rate(self.version, self.config.train))

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class Worker:
     def __init__(self, trainer: Trainer, config: Config, runtime: Runtime) -> None:
         self.trainer, self.config, self.runtime = trainer, config, runtime
-        self.link = Endpoint(runtime.comm, runtime.device)
+        self.link = Endpoint.between(runtime.comm, config.sync, runtime.device, runtime.host_group)
         self.params = list(trainer.model.parameters())
         bounds = shard_bounds([p.numel() for p in self.params], runtime.servers)
         self.shards = [self.params[b.start : b.stop] for b in bounds]
@@ -95,8 +95,6 @@ class Worker:
     def report(self, val_loss: float) -> None:
         """After an evaluation (collective over the workers) the first worker sends the loss to the lead
         server, with all workers' traffic not yet reported."""
-        traffic = self.runtime.all_reduce(
-            torch.tensor([float(self._traffic())], dtype=torch.float64, device=self.runtime.device)
-        )
+        traffic = self.runtime.host_all_reduce(torch.tensor([float(self._traffic())], dtype=torch.float64))
         if self.first:
             self.link.send(LEAD, Header(kind=Kind.REPORT, val_loss=val_loss, traffic=traffic.item()))
