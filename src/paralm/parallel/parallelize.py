@@ -1,7 +1,7 @@
 """The one place the configured parallel strategies are composed; the loop asks the plan for the rest.
 
 Order (as torchtitan): pipeline split, then tensor/sequence parallel, then activation
-checkpointing, then data parallelism (FSDP or DDP) on what each rank holds. Each strategy lives in
+checkpointing, then `torch.compile` per block, then data parallelism (FSDP or DDP) on what each rank holds. Each strategy lives in
 its own module; this module only composes them, and picks how a step runs (plain or pipelined) and
 how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
 """
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from paralm.config import Config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
+from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.fsdp import apply_fsdp, uses_fsdp
@@ -31,6 +32,7 @@ from paralm.parallel.straggler import straggle
 from paralm.parallel.sync import SyncStrategy
 from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank
 from paralm.parallel.zero1 import ZeroOne
+from paralm.rules import check_compile
 
 
 @dataclass
@@ -104,10 +106,13 @@ def _sync_strategy(model: nn.Module, runtime: Runtime, config: Config) -> SyncSt
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
-    """TP/SP, activation checkpointing, then data parallelism, on the whole model or on one pipeline stage."""
+    """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     if runtime.dims.tp > 1:
         apply_tensor_parallel(model, runtime.mesh["tp"], config.parallel.sequence_parallel)
     apply_activation_checkpointing(model, config.train)
+    if config.train.compile:
+        check_compile(config, runtime.device.type)
+        apply_compile(model)
     fsdp = uses_fsdp(config.parallel.zero, runtime.dims)
     if fsdp:
         apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 shards the optimizer: paralm.parallel.zero1)
