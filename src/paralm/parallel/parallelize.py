@@ -1,9 +1,9 @@
 """The one place the configured parallel strategies are composed; the loop asks the plan for the rest.
 
 Order (as torchtitan): pipeline split, then tensor/sequence parallel, then activation
-checkpointing, then `torch.compile` per block, then data parallelism (FSDP or DDP) on what each rank holds. Each strategy lives in
-its own module; this module only composes them, and picks how a step runs (plain or pipelined) and
-how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
+checkpointing, then `torch.compile` per block, then data parallelism (FSDP or DDP) on what each
+rank holds. Each strategy lives in its own module; this module only composes them, and picks how a
+step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
 """
 
 from __future__ import annotations
