@@ -75,6 +75,9 @@ class TrainConfig:
     eval_samples: int = option(64, "validation sequences per evaluation")
     activation_checkpointing: str = option("none", "recompute activations in backward", ("none", "full", "selective"))
     ac_every: int = option(2, "with selective checkpointing, every k-th block is recomputed")
+    compile: bool = option(
+        False, "torch.compile each transformer block (pays back its start-up time on GPUs; measure on CPUs)"
+    )
 
 
 @dataclass

@@ -8,6 +8,8 @@ import it at run time, so the config can apply the rules without an import circl
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -320,6 +322,12 @@ def check_vocab_size(config: Config, tokenizer_vocab: int, data_dir: Path) -> No
             f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer_vocab} ({data_dir}): set model.vocab_size >= {tokenizer_vocab}"
         )
+
+
+def check_compile(config: Config, device_type: str) -> None:
+    """Inductor generates C++ for CPUs: without a compiler, `train.compile` fails deep inside torch."""
+    if config.train.compile and device_type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++")):
+        raise UserError("train.compile = true needs a C++ compiler on CPUs (g++, or $CXX): install one or drop it")
 
 
 def check_parameter_server(config: Config, device_type: str) -> None:

@@ -28,7 +28,8 @@ def _step(trainer: Trainer, poison: bool) -> dict:
 
     if poison:
         trainer.forward_backward = poisoned
-    row = trainer.train_step()
+    trainer.train_step()
+    (row,) = trainer.metrics.read_back()
     trainer.forward_backward = forward_backward
     trainer.step += 1
     return row

@@ -1,9 +1,9 @@
 """The one place the configured parallel strategies are composed; the loop asks the plan for the rest.
 
 Order (as torchtitan): pipeline split, then tensor/sequence parallel, then activation
-checkpointing, then data parallelism (FSDP or DDP) on what each rank holds. Each strategy lives in
-its own module; this module only composes them, and picks how a step runs (plain or pipelined) and
-how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
+checkpointing, then `torch.compile` per block, then data parallelism (FSDP or DDP) on what each
+rank holds. Each strategy lives in its own module; this module only composes them, and picks how a
+step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import Config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
+from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.fsdp import apply_fsdp, uses_fsdp
@@ -32,6 +33,7 @@ from paralm.parallel.straggler import straggle
 from paralm.parallel.sync import SyncStrategy
 from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank
 from paralm.parallel.zero1 import ZeroOne
+from paralm.rules import check_compile
 
 
 @dataclass
@@ -119,10 +121,13 @@ def shards_gradients(config: Config, runtime: Runtime) -> bool:
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
-    """TP/SP, activation checkpointing, then data parallelism, on the whole model or on one pipeline stage."""
+    """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     if runtime.dims.tp > 1:
         apply_tensor_parallel(model, runtime.mesh["tp"], config.parallel.sequence_parallel)
     apply_activation_checkpointing(model, config.train)
+    if config.train.compile:
+        check_compile(config, runtime.device.type)
+        apply_compile(model)
     fsdp = uses_fsdp(config.parallel.zero, runtime.data_parallel)
     if fsdp:
         apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 syncs after backward: paralm.parallel.zero1)

@@ -77,17 +77,16 @@ class Runtime:
             dist.all_reduce(tensor, op=op, group=self.host_step_group)
         return tensor
 
-    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
-        """`sums` added up and `maxima` maximised over the ranks that step together, in one collective
-        (an all-gather of one small vector on this rank's device)."""
-        values = torch.tensor([*sums.values(), *maxima.values()], dtype=torch.float64, device=self.device)
-        table = values[None]
+    def reduce_metrics(self, table: torch.Tensor, num_sums: int) -> torch.Tensor:
+        """Rows of metrics (steps x values, this rank's, on its device): the first `num_sums` columns
+        added up over the ranks that step together, the others maximised, in one collective (an
+        all-gather of the table). Nothing here waits for the device."""
         if self.distributed:
-            gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(gathered, values, group=self.group)
-            table = torch.stack(gathered)
-        reduced = torch.cat([table[:, : len(sums)].sum(0), table[:, len(sums) :].amax(0)]).tolist()
-        return dict(zip([*sums, *maxima], reduced, strict=True))
+            gathered = [torch.empty_like(table) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(gathered, table, group=self.group)
+            stacked = torch.stack(gathered)
+            return torch.cat([stacked[..., :num_sums].sum(0), stacked[..., num_sums:].amax(0)], dim=-1)
+        return table
 
     def barrier(self) -> None:
         if self.distributed:

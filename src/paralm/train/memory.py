@@ -106,19 +106,25 @@ class ModelStateMeter:
     """Measures parameter, gradient and optimizer-state bytes of one training step on this rank.
 
     `stepped` is the optimizer whose state this rank holds: `optimizer` itself, or the local one a
-    sharding wrapper steps (ZeRO-1's partition)."""
+    sharding wrapper steps (ZeRO-1's partition). Counting walks every tensor, so it runs only on steps
+    with `measuring` set (the trainer: the first, then every `log.every`-th); the other steps report
+    the last measurement."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, stepped: torch.optim.Optimizer) -> None:
         self.model, self.optimizer, self.stepped = model, optimizer, stepped
+        self.measuring = True
         self._param_bytes = self._grad_bytes = 0
+        self._last: dict[str, int] = {}
         model.register_forward_hook(self._after_forward)
 
     def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
-        if torch.is_grad_enabled():  # training, not evaluation
+        if self.measuring and torch.is_grad_enabled():  # training, not evaluation
             held = local_bytes([*module.parameters(), *_optimizer_params(self.optimizer)])
             self._param_bytes = max(self._param_bytes, held)
 
     def after_backward(self) -> None:
+        if not self.measuring:
+            return
         params = [*self.model.parameters(), *_optimizer_params(self.optimizer)]
         self._grad_bytes = local_bytes(p.grad for p in params)
         # pipeline stages run submodules, so the forward hook may not have fired: count what is held now
@@ -126,10 +132,13 @@ class ModelStateMeter:
 
     def after_step(self) -> dict[str, int]:
         """The step's metrics (`param_bytes`, `grad_bytes`, `optim_bytes`), then reset for the next."""
+        if not self.measuring:
+            return self._last
         state = self.stepped.state.values()
         optim = local_bytes(v for per_param in state for v in per_param.values() if isinstance(v, torch.Tensor))
         row = {"param_bytes": self._param_bytes, "grad_bytes": self._grad_bytes, "optim_bytes": optim}
         self._param_bytes = self._grad_bytes = 0
+        self._last = row
         return row
 
 

@@ -10,8 +10,11 @@ from torch import nn
 from paralm.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
-    """Decay matrices (linear and embedding weights), not biases or LayerNorm gains (as GPT-2/nanoGPT)."""
+def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = False) -> torch.optim.Optimizer:
+    """Decay matrices (linear and embedding weights), not biases or LayerNorm gains (as GPT-2/nanoGPT).
+
+    `loss_scaling` (fp16): not fused, because fused AdamW rejects the overflow flag that FSDP's
+    `ShardedGradScaler` hands it (shape [1], not a scalar; torch 2.13)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
@@ -19,7 +22,20 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimiz
     ]
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=train.lr)
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8)
+    return torch.optim.AdamW(
+        groups,
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        eps=1e-8,
+        **({} if loss_scaling else _adamw_kernel(params)),
+    )
+
+
+def _adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """The fused kernel (one pass over all parameters) where every parameter's device has it: CPUs and
+    GPUs. On a CPU here it stepped the 6-layer, d_model 384 GPT in 72 ms against foreach's 343 ms
+    (1 thread); elsewhere PyTorch's default (foreach where supported)."""
+    return {"fused": True} if params and all(p.device.type in ("cpu", "cuda") for p in params) else {}
 
 
 def learning_rate(step: int, train: TrainConfig) -> float:

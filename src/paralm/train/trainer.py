@@ -9,7 +9,6 @@ global batch.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,12 @@ from paralm.train.checkpoint import (
 from paralm.train.checkpointer import Checkpointer
 from paralm.train.interrupt import StopSignals, signal_name
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
-from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
+from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
 from paralm.train.param_server import run_parameter_server
 from paralm.train.precision import LossScaler
 from paralm.train.resume_batch import keep_global_batch
+from paralm.train.step_metrics import StepMetrics
 
 
 def train(config: Config) -> None:
@@ -77,7 +77,9 @@ class Trainer:
         self.flops_per_token, self.num_params = self.model.flops_per_token(), self.model.num_params()
         self.plan = parallelize(self.model, runtime, config)
         self.train_module = self.plan.module
-        self.optimizer = self.plan.prepare_optimizer(build_optimizer(self.model, t))
+        self.optimizer = self.plan.prepare_optimizer(
+            build_optimizer(self.model, t, loss_scaling=config.precision.dtype == "fp16")
+        )
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
         self.memory = ModelStateMeter(self.model, self.optimizer, self.plan.sync.stepped_optimizer(self.optimizer))
         self.memory_prediction = predict(config, self.model, self.plan.zero_stage, runtime.dims.dp_shard)
@@ -87,7 +89,13 @@ class Trainer:
         self.saved_step = self.step  # the checkpoint it resumed from, or none at step 0
         self.checkpointer = Checkpointer(runtime, config.checkpoint.async_save)
         peak_flops = device_peak_flops(self.device, config.precision.dtype)
-        self.throughput = Throughput(self.flops_per_token, peak_flops, runtime.world_size)
+        self.metrics = StepMetrics(
+            runtime,
+            Throughput(self.flops_per_token, peak_flops, runtime.world_size),
+            tokens_per_step=self.layout.global_batch * config.model.block_size,
+            loss_divisor=self.layout.dp_size * runtime.dims.tp,  # each loss is held by the tp ranks of the last stage
+            every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
+        )
         self.logger = None
         if runtime.is_main:
             self.logger = open_run_log(config, self.step)
@@ -128,17 +136,18 @@ class Trainer:
         while self.step < t.steps:
             if signum := self.stop.agreed(self.runtime):
                 self._stop(signum)
-            row = self.train_step()
+            self.memory.measuring = self.step == first or (self.step + 1) % self.config.log.every == 0
+            self.train_step()
             self.step += 1
-            if self.logger and row["step"] == first:
-                self.logger.message(describe_measured(row, self.memory_prediction))
             last = self.step == t.steps
-            if last or (t.eval_every and self.step % t.eval_every == 0):
-                row["val_loss"] = self.evaluate()
-            if self.logger:
-                self.logger.write(row)
-                self.logger.progress(row)
-            if last or (ckpt.every and self.step % ckpt.every == 0):
+            evaluate = last or (t.eval_every and self.step % t.eval_every == 0)
+            save = last or (ckpt.every and self.step % ckpt.every == 0)
+            if evaluate or save or self.step == first + 1 or self.metrics.due(self.step):
+                rows = self.metrics.read_back()
+                if evaluate:
+                    rows[-1]["val_loss"] = self.evaluate()
+                self._log(rows, first)
+            if save:
                 self.save()
         run_dir = self.run_dir if self.logger else None
         comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir, self.device)
@@ -146,8 +155,18 @@ class Trainer:
             self.logger.message(comm)
             self.logger.close()
 
+    def _log(self, rows: list[dict[str, Any]], first: int) -> None:
+        if not self.logger:
+            return
+        for row in rows:
+            if row["step"] == first:
+                self.logger.message(describe_measured(row, self.memory_prediction))
+            self.logger.write(row)
+            self.logger.progress(row)
+
     def _stop(self, signum: int) -> None:
         """Every rank saw the same flag before this step: save (unless done already) and leave."""
+        self._log(self.metrics.read_back(), first=-1)  # the steps since the last read-back
         saved = ""
         if self.config.checkpoint.on_signal and self.step != self.saved_step:
             saved = f"; saved {self.save()}, run the same command to resume"
@@ -171,8 +190,9 @@ class Trainer:
         mean loss over them (0 on pipeline ranks without the last stage)."""
         return self.plan.forward_backward(batches, self.scaler.scale)
 
-    def train_step(self) -> dict[str, Any]:
-        started = time.perf_counter()
+    def train_step(self) -> None:
+        """One optimizer step; its metrics wait on the device for `self.metrics.read_back()`."""
+        self.metrics.start_step()
         self.plan.before_step(self.config.train.seed, self.step)
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
@@ -191,28 +211,12 @@ class Trainer:
                 f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
                 f"{scaling['loss_scale']:g}"
             )
-
-        # one collective: loss and bytes sent added up, memory from the rank that holds the most
-        reduced = self.runtime.reduce_metrics(
-            {"loss": loss_sum.item(), "comm_bytes": self.runtime.comm.take_step()[0]},
-            {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)},
-        )
-        # every tp rank of the last pipeline stage holds its dp shard's loss; other stages add 0
-        loss = reduced.pop("loss") / (self.layout.dp_size * self.runtime.dims.tp)
-        comm_bytes = int(reduced.pop("comm_bytes"))
-        memory = {key: int(value) for key, value in reduced.items()}
-        tokens = self.layout.global_batch * self.config.model.block_size
-        return step_row(
-            self.step,
-            loss,
-            lr,
-            None if scaling.get("overflow") else grad_norm.item(),
-            **self.throughput.row(tokens, time.perf_counter() - started),
-            **memory,
-            **scaling,
-            samples_seen=self.samples_seen,
-            comm_bytes=comm_bytes,
-        )
+        counters = {
+            "comm_bytes": self.runtime.comm.take_step()[0],
+            **self.memory.after_step(),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+        }
+        self.metrics.add(self.step, loss_sum, grad_norm, counters, lr=lr, **scaling, samples_seen=self.samples_seen)
 
     def evaluate(self) -> float:
         t = self.config.train

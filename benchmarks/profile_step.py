@@ -1,0 +1,59 @@
+"""Where a training step of one process spends its time: `torch.profiler` over paralm's own step.
+
+    python benchmarks/profile_step.py [--dtype bf16] [--steps 3] [--threads 1] [--top 10] [--compile]
+
+The model is the one `vs_nanogpt.py` compares (6 layers, 6 heads, d_model 384, block 256, batch 12,
+dropout 0); the step is `Trainer.train_step` (forward, backward, clipping, optimizer, metrics), run
+after two warm-up steps. Prints the operators with the most self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from paralm.config import Config
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.train.trainer import Trainer
+
+MODEL = {"n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 256, "dropout": 0.0, "bias": True}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="train.compile = true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = Config.from_dict(
+            {
+                "run": {"dir": run_dir},
+                "model": MODEL,
+                "train": {"steps": 2 + args.steps, "micro_batch_size": 12, "eval_every": 0, "compile": args.compile},
+                "precision": {"dtype": args.dtype},
+                "log": {"tensorboard": False, "progress": False},
+            }
+        )
+        runtime = init_runtime(config.parallel)
+        trainer = Trainer(config, runtime)
+        for _ in range(2):
+            trainer.train_step()
+            trainer.metrics.read_back()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                trainer.train_step()
+                trainer.metrics.read_back()
+        shutdown(runtime)
+    print(f"{args.dtype}, {args.threads} thread(s), {args.steps} steps profiled")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()

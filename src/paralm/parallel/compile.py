@@ -1,0 +1,21 @@
+"""`torch.compile` per transformer block (`train.compile`), as torchtitan does.
+
+Blocks are compiled one by one rather than the whole model: every block has the same code, so one
+compiled graph serves them all (compile time does not grow with depth), and the wrappers applied
+around a block stay outside the compiled region: FSDP's all-gather and reduce-scatter hooks and
+DDP's gradient hooks run eagerly as usual. Applied after activation checkpointing, so a checkpointed
+block's recomputation is compiled with it, and before FSDP/DDP. Each block's `forward` is replaced
+by its compiled version (rather than wrapping the block in an `OptimizedModule`), so parameter
+names, and with them checkpoints, are those of the plain model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile the forward of each block of `model.blocks` in place (a pipeline stage holds some of them)."""
+    for block in model.blocks.values():
+        block.forward = torch.compile(block.forward, fullgraph=True)

@@ -1,0 +1,92 @@
+"""Step metrics kept on the device until they are read back: one host synchronisation per read-back.
+
+Each step leaves one small vector on its device: its loss sum and gradient norm as they are (device
+tensors, so nothing waits for the GPU), and the host's counters (bytes sent, memory) beside them. A
+read-back stacks the vectors of every step since the last one, reduces them over the ranks in one
+collective (`Runtime.reduce_metrics`) and copies the result to the host once.
+
+When: on GPUs every `log.every` steps (and before evaluating, saving or stopping, and after the
+first step), so the GPU runs ahead of the host in between; on CPUs the values are on the host
+already and every step is read back. Every step still gets its own row in `metrics.jsonl` with its
+own loss, gradient norm and bytes; rows are written at the read-back. Host time cannot be split
+between steps that were not waited for, so `step_time_s` (and `tokens_per_s`, `mfu`) of each row is
+the wall time of its read-back window divided by the steps in it: on CPUs, the step itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paralm.parallel.runtime import Runtime
+from paralm.train.metrics import Throughput, step_row
+
+
+@dataclass
+class _Pending:
+    step: int
+    values: torch.Tensor  # this rank's: sums, then maxima
+    host: dict[str, Any]  # the same on every rank: lr, samples seen, loss scale
+
+
+@dataclass
+class StepMetrics:
+    runtime: Runtime
+    throughput: Throughput
+    tokens_per_step: int
+    loss_divisor: int  # ranks holding a copy of each shard's loss: dp x tp
+    every: int  # read back every `every` steps
+    _pending: list[_Pending] = field(default_factory=list)
+    _window_start: float | None = None
+
+    SUMS = ("loss", "comm_bytes")
+    MAXIMA = ("grad_norm", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
+
+    def start_step(self) -> None:
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+
+    def add(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, counters: dict[str, int], **host: Any
+    ) -> None:
+        """Record a step without waiting for the device. `counters`: `comm_bytes` (summed over ranks) and
+        the memory figures (maximised), host integers."""
+        on_host = torch.tensor([counters[k] for k in ("comm_bytes", *self.MAXIMA[1:])], dtype=torch.float64)
+        if self.runtime.device.type == "cuda":
+            on_host = on_host.pin_memory()  # a copy from pinned memory does not block the host
+        on_host = on_host.to(self.runtime.device, non_blocking=True)
+        device = torch.stack([loss.detach().double(), grad_norm.detach().double()])
+        values = torch.cat([device[:1], on_host[:1], device[1:], on_host[1:]])  # in SUMS then MAXIMA order
+        self._pending.append(_Pending(step, values, host))
+
+    def due(self, steps_done: int) -> bool:
+        return steps_done % self.every == 0
+
+    def read_back(self) -> list[dict[str, Any]]:
+        """Every pending step's row, reduced over the ranks (a collective: every rank calls it at the same step)."""
+        if not self._pending:
+            return []
+        reduced = self.runtime.reduce_metrics(torch.stack([p.values for p in self._pending]), len(self.SUMS)).tolist()
+        seconds = (time.perf_counter() - self._window_start) / len(self._pending)
+        rows = []
+        for pending, values in zip(self._pending, reduced, strict=True):
+            named = dict(zip(self.SUMS + self.MAXIMA, values, strict=True))
+            loss, grad_norm, comm_bytes = (named.pop(k) for k in ("loss", "grad_norm", "comm_bytes"))
+            host = pending.host
+            rows.append(
+                step_row(
+                    pending.step,
+                    loss / self.loss_divisor,
+                    host.pop("lr"),
+                    None if host.get("overflow") else grad_norm,  # a skipped fp16 step has no norm
+                    **self.throughput.row(self.tokens_per_step, seconds),
+                    **{k: int(v) for k, v in named.items()},
+                    **host,
+                    comm_bytes=int(comm_bytes),
+                )
+            )
+        self._pending, self._window_start = [], None
+        return rows
