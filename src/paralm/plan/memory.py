@@ -9,6 +9,7 @@ The total is a sum of every term alive at the start of backward, the peak of a t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from paralm.plan.cluster import Cluster
@@ -36,6 +37,7 @@ class ModelStates:
     optim_bytes: float
 
 
+@functools.cache  # pure, and asked again for every micro-batch size and checkpointing choice of a layout
 def model_states(params: float, dtype: str, recipe: str, optimizer_slots: int, zero: int, shards: int) -> ModelStates:
     """Parameter, gradient and optimizer bytes on one device holding a 1/`shards` ZeRO shard."""
     param, grad, master = STATE_RECIPES[recipe] if DTYPE_BYTES[dtype] < 4 else (4, 4, 0)
@@ -44,6 +46,7 @@ def model_states(params: float, dtype: str, recipe: str, optimizer_slots: int, z
     return ModelStates(param_bytes=held["params"], grad_bytes=held["grads"], optim_bytes=held["optim"])
 
 
+@functools.cache  # pure; the search asks for the same few shapes many times
 def layer_activation_bytes(
     s: int,
     b: int,

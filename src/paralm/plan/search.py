@@ -181,7 +181,7 @@ def _layout_groups(
     cheapest first), one per pipeline micro-batch count.
 
     Only layouts paralm can train (`paralm.rules`): whole heads and
-    vocabulary shards per tp rank, ZeRO-1 (ZeroRedundancyOptimizer) without tp or pp, ZeRO-2/3 for a
+    vocabulary shards per tp rank, ZeRO-1 (shards of plain parameters) without tp or pp, ZeRO-2/3 for a
     reduce dtype other than fp32, no pipeline under fp16 (no loss scaling there), and whole models per
     replica under a parameter server, local SGD, DiLoCo or gradient compression. Tensor parallelism is
     searched within a node (Narayanan et al. 2021: across nodes it is bandwidth-bound); a fixed tp may
