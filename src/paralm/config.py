@@ -75,6 +75,7 @@ class TrainConfig:
     eval_samples: int = option(64, "validation sequences per evaluation")
     activation_checkpointing: str = option("none", "recompute activations in backward", ("none", "full", "selective"))
     ac_every: int = option(2, "with selective checkpointing, every k-th block is recomputed")
+    max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
 
 
 @dataclass
@@ -92,6 +93,7 @@ class ParallelConfig:
     pp_virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved and V schedules)")
     pp_split: list[int] = option([], "layers per stage, overriding the balanced split")
     auto: bool = option(False, "the planner picks the fastest layout that fits (command-line fields stay)")
+    timeout_s: float = option(600.0, "seconds a collective waits for a hung or dead peer before the job fails")
 
 
 @dataclass
