@@ -1,8 +1,14 @@
 """NaN/inf gradients are skipped steps, agreed by every rank; too many in a row stop the run."""
 
-import pytest
+import time
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from paralm.config import ParallelConfig
 from paralm.errors import UserError
+from paralm.parallel.runtime import init_runtime
 from paralm.train import trainer
 from paralm.train.checkpoint import latest_checkpoint
 from paralm.train.trainer import train
@@ -60,3 +66,24 @@ def test_every_local_sgd_replica_skips_the_step_one_replica_found_bad(tmp_path):
     run_ranks(_poisoned_rank1, 2, tmp_path, config)
     rows = read_metrics(config.run.dir)
     assert rows[1].get("skipped") is True and rows[0].get("skipped") is None
+
+
+def _wait_for_a_dead_peer(timeout_s):
+    """Rank 1 never joins rank 0's all-reduce: rank 0's collective fails after `parallel.timeout_s`."""
+    runtime = init_runtime(ParallelConfig(timeout_s=timeout_s))
+    if runtime.rank == 1:
+        time.sleep(4 * timeout_s)  # hung
+        return "hung"
+    try:
+        runtime.all_reduce(torch.ones(1))
+    except RuntimeError as e:  # gloo: the collective timed out
+        return f"failed: {str(e).splitlines()[0]}"
+    finally:
+        dist.destroy_process_group()
+    return "returned"
+
+
+@pytest.mark.slow
+def test_a_hung_peer_fails_the_collective_within_the_timeout(tmp_path):
+    rank0, rank1 = run_ranks(_wait_for_a_dead_peer, 2, tmp_path, 2.0)
+    assert rank0.startswith("failed") and rank1 == "hung"
