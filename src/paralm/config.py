@@ -78,6 +78,7 @@ class TrainConfig:
     compile: bool = option(
         False, "torch.compile each transformer block (pays back its start-up time on GPUs; measure on CPUs)"
     )
+    max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
 
 
 @dataclass
@@ -103,6 +104,7 @@ class ParallelConfig:
         False, "under torchrun, take the distributed code paths (process group, mesh, DDP/FSDP) even with one rank"
     )
     auto: bool = option(False, "the planner picks the fastest layout that fits (command-line fields stay)")
+    timeout_s: float = option(600.0, "seconds a collective waits for a hung or dead peer before the job fails")
 
 
 @dataclass

@@ -33,6 +33,7 @@ def validate(config: Config) -> None:
         "train.micro_batch_size": t.micro_batch_size,
         "train.grad_accum": t.grad_accum,
         "train.eval_samples": t.eval_samples,
+        "train.max_bad_steps": t.max_bad_steps,
     }
     _each(positive, lambda value: value >= 1, "must be at least 1")
     _each(
@@ -57,6 +58,8 @@ def validate(config: Config) -> None:
         raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if not 0 < config.data.val_fraction < 1:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
+    if config.parallel.timeout_s <= 0:
+        raise UserError(f"parallel.timeout_s = {config.parallel.timeout_s} must be positive")
     if config.comm.bucket_mb <= 0:
         raise UserError(f"comm.bucket_mb = {config.comm.bucket_mb} must be positive")
     validate_sync(config)
@@ -101,6 +104,11 @@ def validate_sync(config: Config) -> None:
     if (c.compression != "none" or s.mode != "allreduce") and (p.zero, p.tp, p.pp) != (0, 1, 1):
         what = f"sync.mode = {s.mode}" if s.mode != "allreduce" else f"comm.compression = {c.compression}"
         raise UserError(f"{what} replicates whole models: set parallel.zero = 0, parallel.tp = 1, parallel.pp = 1")
+    if s.mode == "parameter_server" and config.precision.dtype == "fp16":
+        raise UserError(
+            "precision.dtype = fp16 needs a loss scale the parameter server does not keep: "
+            "use precision.dtype = bf16 or fp32 with sync.mode = parameter_server"
+        )
     if s.mode in ("local_sgd", "diloco") and config.checkpoint.every % s.local_steps:
         raise UserError(
             f"checkpoint.every = {config.checkpoint.every} must be a multiple of sync.local_steps = {s.local_steps}: "

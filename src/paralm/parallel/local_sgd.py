@@ -38,6 +38,8 @@ class ModelAverager(SyncStrategy):
     replica state (e.g. all-reduce) starts every replica from its shared optimizer state.
     """
 
+    gradients_agree = False  # each replica steps on its own gradients
+
     def __init__(self, model: nn.Module, runtime: Runtime, sync: SyncConfig) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -100,14 +100,17 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(parallel: ParallelConfig, timeout: timedelta = timedelta(minutes=10), servers: int = 0) -> Runtime:
+def init_runtime(parallel: ParallelConfig, servers: int = 0) -> Runtime:
     """Join the job the launcher set up (if any) and build the mesh for the configured degrees.
+
+    A collective waits `parallel.timeout_s` for a hung or dead peer, then raises (the launcher names the rank).
 
     With `servers` parameter-server ranks, those are ranks 0..servers-1 and the mesh holds the others.
     """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    timeout = timedelta(seconds=parallel.timeout_s)
     dims = ParallelDims.from_config(parallel, world_size, servers)
     device = select_device(local_rank)
     mesh = dp_mesh = group = host = host_step = None

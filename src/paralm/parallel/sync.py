@@ -58,6 +58,8 @@ class TrainingState(Stateful):
 class SyncStrategy(Stateful):
     """All-reduce data parallelism (DDP, FSDP, replicate): gradients are synced inside backward."""
 
+    gradients_agree = True  # after backward every replica holds the same gradients (their norm agrees)
+
     def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the loop steps (the same one, unless the strategy shards or wraps it)."""
         return optimizer

@@ -81,7 +81,7 @@ class StepMetrics:
                     pending.step,
                     loss / self.loss_divisor,
                     host.pop("lr"),
-                    None if host.get("overflow") else grad_norm,  # a skipped fp16 step has no norm
+                    None if host.get("overflow") or host.get("skipped") else grad_norm,  # a skipped step has no norm
                     **self.throughput.row(self.tokens_per_step, seconds),
                     **{k: int(v) for k, v in named.items()},
                     **host,

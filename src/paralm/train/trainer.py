@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from paralm.config import Config
 from paralm.data.prepare import dataset_dir
 from paralm.data.sampler import BatchLayout, sample_windows
 from paralm.data.shards import TokenDataset
-from paralm.errors import Interrupted
+from paralm.errors import Interrupted, UserError
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT
@@ -84,7 +85,7 @@ class Trainer:
         self.memory = ModelStateMeter(self.model, self.optimizer, self.plan.sync.stepped_optimizer(self.optimizer))
         self.memory_prediction = predict(config, self.model, self.plan.zero_stage, runtime.dims.dp_shard)
 
-        self.step, self.samples_seen = 0, 0
+        self.step, self.samples_seen, self.bad_steps = 0, 0, 0
         self._restore()
         self.saved_step = self.step  # the checkpoint it resumed from, or none at step 0
         self.checkpointer = Checkpointer(runtime, config.checkpoint.async_save)
@@ -202,10 +203,15 @@ class Trainer:
         self.memory.after_backward()
         self.plan.sync.after_backward()
         grad_norm = self.plan.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
-        scaling = self.scaler.step(self.optimizer)  # fp16: loss_scale, and overflow when the step was skipped
+        bad = self._bad_numbers(grad_norm)
+        # fp16: loss_scale, and overflow when the step was skipped
+        scaling = {"skipped": True} if bad else self.scaler.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        self.bad_steps = self.bad_steps * bad  # in a row
         self.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += self.layout.global_batch
+        if bad:
+            self._report_bad_step(loss_sum, grad_norm)
         if self.logger and scaling.get("overflow"):
             self.logger.message(
                 f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
@@ -217,6 +223,36 @@ class Trainer:
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
         self.metrics.add(self.step, loss_sum, grad_norm, counters, lr=lr, **scaling, samples_seen=self.samples_seen)
+
+    def _bad_numbers(self, grad_norm: torch.Tensor) -> bool:
+        """A NaN/inf gradient norm (a NaN/inf loss makes one) in bf16/fp32, agreed by every rank: the step
+        is skipped. The norm is already the same on every rank when gradients are synced; otherwise (local
+        SGD, DiLoCo) one all-reduce agrees. fp16 overflows are the loss scaler's (it skips those steps)."""
+        if self.config.precision.dtype == "fp16":
+            return False
+        bad = (~torch.isfinite(grad_norm)).to(torch.int32).reshape(1)
+        if not self.plan.sync.gradients_agree:
+            self.runtime.all_reduce(bad, dist.ReduceOp.MAX)
+        return bool(bad.item())
+
+    def _report_bad_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """One log line per skipped step; after `train.max_bad_steps` in a row the run stops (no checkpoint
+        of this state: the last one written stays the last good one)."""
+        self.bad_steps += 1
+        limit = self.config.train.max_bad_steps
+        if self.logger:
+            self.logger.message(
+                f"step {self.step}: the gradient norm is {grad_norm.item():g} (loss {loss_sum.item():g} here); "
+                f"step skipped ({self.bad_steps} in a row of at most {limit})"
+            )
+        if self.bad_steps >= limit:
+            if self.logger:
+                self.logger.close()
+            last = f"; the last good checkpoint is step {self.saved_step}" if self.saved_step else ""
+            raise UserError(
+                f"{self.bad_steps} steps in a row had a NaN/inf loss or gradient norm (train.max_bad_steps = {limit})"
+                f"{last}: lower train.lr, set train.grad_clip, or use precision.dtype = fp32"
+            )
 
     def evaluate(self) -> float:
         t = self.config.train
