@@ -21,7 +21,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from paralm.sweep.plan import Trial
 from paralm.sweep.results import append_result, result_row
 from paralm.sweep.runner import TrialLaunch, TrialRunner
-from paralm.train.trainer import RESOLVED_CONFIG
+from paralm.config import CONFIG_FILE
 
 
 @dataclass
@@ -54,7 +54,7 @@ def run_trials(out: Path, trials: list[Trial], options: SweepOptions) -> None:
     launches = {
         t.index: TrialLaunch(
             run_dir=t.run_dir,
-            config_file=str(Path(t.run_dir) / RESOLVED_CONFIG),
+            config_file=str(Path(t.run_dir) / CONFIG_FILE),
             config_toml=t.config.to_toml(),
             nproc=options.trial_nproc,
             threads=1,  # one reserved CPU per process
