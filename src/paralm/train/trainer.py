@@ -210,8 +210,6 @@ class Trainer:
         self.bad_steps = self.bad_steps * bad  # in a row
         self.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += self.layout.global_batch
-        if bad:
-            self._report_bad_step(loss_sum, grad_norm)
         if self.logger and scaling.get("overflow"):
             self.logger.message(
                 f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
@@ -223,6 +221,8 @@ class Trainer:
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
         self.metrics.add(self.step, loss_sum, grad_norm, counters, lr=lr, **scaling, samples_seen=self.samples_seen)
+        if bad:
+            self._report_bad_step(loss_sum, grad_norm)
 
     def _bad_numbers(self, grad_norm: torch.Tensor) -> bool:
         """A NaN/inf gradient norm (a NaN/inf loss makes one) in bf16/fp32, agreed by every rank: the step
@@ -246,6 +246,7 @@ class Trainer:
                 f"step skipped ({self.bad_steps} in a row of at most {limit})"
             )
         if self.bad_steps >= limit:
+            self._log(self.metrics.read_back(), first=-1)  # this step's row and any still waiting
             if self.logger:
                 self.logger.close()
             last = f"; the last good checkpoint is step {self.saved_step}" if self.saved_step else ""
