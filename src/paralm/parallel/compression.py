@@ -39,9 +39,8 @@ class HookState:
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
 ) -> DistributedDataParallel:
-    """Install the configured hook; every byte DDP all-reduces is then counted in `stats`."""
+    """Install the configured hook (`none`: DDP's own reducer, whose all-reduces the byte counter sees)."""
     if comm.compression == "none":
-        count_native_allreduce(ddp, group, stats)
         return ddp
     state = HookState(group, stats, comm.topk_ratio)
     if comm.compression == "powersgd":
@@ -61,20 +60,6 @@ def register_compression(
     }
     ddp.register_comm_hook(state, hooks[comm.compression])
     return ddp
-
-
-def count_native_allreduce(ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats) -> None:
-    """Count what DDP's reducer sends without replacing it: every bucket once per backward that syncs,
-    i.e. after each training forward outside `no_sync` (DDP's `require_backward_grad_sync`)."""
-    bucket_bytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
-    size = dist.get_world_size(group)
-    ring = 2 * (size - 1) / size * bucket_bytes
-
-    def count(module: DistributedDataParallel, args: object, output: object) -> None:
-        if torch.is_grad_enabled() and module.require_backward_grad_sync:
-            stats.count(ring, ring)
-
-    ddp.register_forward_hook(count)
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> Future:
@@ -103,12 +88,15 @@ class CountedPowerSGD:
 
 
 def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
-    """PyTorch's PowerSGD hook, counted: PowerSGD tallies the elements it all-reduces per bucket
-    (uncompressed vectors plus the P and Q factors); before its start step it all-reduces the bucket."""
+    """PyTorch's PowerSGD hook, counted from PowerSGD's own tally of the elements it all-reduces per
+    bucket (uncompressed vectors plus the P and Q factors; before its start step, the bucket): its Q
+    all-reduce runs in a future's callback on the communication thread, out of the byte counter's
+    reach, so the hook runs with the counter paused and counts the tally instead."""
     psgd = state.powersgd
     compressing = psgd.iter >= psgd.start_powerSGD_iter
     before = psgd.total_numel_after_compression
-    future = powersgd.powerSGD_hook(psgd, bucket)
+    with state.stats.paused():
+        future = powersgd.powerSGD_hook(psgd, bucket)
     buffer = bucket.buffer()
     numel = psgd.total_numel_after_compression - before if compressing else buffer.numel()
     size = dist.get_world_size(psgd.process_group)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paralm.compat import flatten_mesh
 from paralm.config import ParallelConfig
-from paralm.parallel.comm_stats import CommStats
+from paralm.parallel.comm_stats import CommStats, gather_bytes
 from paralm.parallel.dims import MESH_DIMS, ParallelDims
 
 
@@ -60,14 +60,24 @@ class Runtime:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+    def reduce_metrics(
+        self, sums: dict[str, float], maxima: dict[str, float], comm_bytes: bool = False
+    ) -> dict[str, float]:
         """`sums` added up and `maxima` maximised over the ranks that step together, in one collective
-        (an all-gather of one small vector on this rank's device)."""
+        (an all-gather of one small vector on this rank's device). With `comm_bytes`, the sums get
+        `comm_bytes`: the bytes the ranks sent since the last step, this collective included (its size is
+        known before it runs, so its own total travels in it; it is not counted again)."""
+        size = dist.get_world_size(self.group) if self.distributed else 1
+        if comm_bytes:
+            own = gather_bytes(len(sums) + len(maxima) + 1, 8, size)
+            self.comm.count(own, own)
+            sums = {**sums, "comm_bytes": self.comm.take_step()[0]}
         values = torch.tensor([*sums.values(), *maxima.values()], dtype=torch.float64, device=self.device)
         table = values[None]
         if self.distributed:
-            gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(gathered, values, group=self.group)
+            gathered = [torch.empty_like(values) for _ in range(size)]
+            with self.comm.paused():
+                dist.all_gather(gathered, values, group=self.group)
             table = torch.stack(gathered)
         reduced = torch.cat([table[:, : len(sums)].sum(0), table[:, len(sums) :].amax(0)]).tolist()
         return dict(zip([*sums, *maxima], reduced, strict=True))

@@ -44,10 +44,11 @@ from paralm.train.resume_batch import keep_global_batch
 def train(config: Config) -> None:
     runtime = init_runtime(config.parallel, servers=config.sync.servers)
     try:
-        if config.sync.mode == "parameter_server":
-            run_parameter_server(config, runtime, Trainer)
-        else:
-            Trainer(config, runtime).fit()
+        with runtime.comm.counting():  # every collective from here on is counted (paralm.parallel.comm_stats)
+            if config.sync.mode == "parameter_server":
+                run_parameter_server(config, runtime, Trainer)
+            else:
+                Trainer(config, runtime).fit()
     except Interrupted:
         shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
         raise
@@ -116,7 +117,7 @@ class Trainer:
         )
 
     def fit(self) -> None:
-        with StopSignals() as self.stop:  # SIGINT/SIGTERM stop the loop after a step every rank agrees on
+        with StopSignals() as self.stop, self.runtime.comm.counting():  # SIGINT/SIGTERM: stop after a step all agree on
             self._fit()
             self.checkpointer.wait()  # the last checkpoint is complete before the job ends
 
@@ -128,6 +129,7 @@ class Trainer:
         while self.step < t.steps:
             if signum := self.stop.agreed(self.runtime):
                 self._stop(signum)
+            self.runtime.comm.set_aside()  # set-up, validation and checkpoints are no step's traffic
             row = self.train_step()
             self.step += 1
             if self.logger and row["step"] == first:
@@ -194,8 +196,9 @@ class Trainer:
 
         # one collective: loss and bytes sent added up, memory from the rank that holds the most
         reduced = self.runtime.reduce_metrics(
-            {"loss": loss_sum.item(), "comm_bytes": self.runtime.comm.take_step()[0]},
+            {"loss": loss_sum.item()},
             {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)},
+            comm_bytes=True,
         )
         # every tp rank of the last pipeline stage holds its dp shard's loss; other stages add 0
         loss = reduced.pop("loss") / (self.layout.dp_size * self.runtime.dims.tp)
