@@ -7,7 +7,8 @@ those ops (`CommStats.counting()`) therefore sees every collective and point-to-
 tensors actually handed over, in their wire dtype, whatever wrapper issued it, and adds nothing:
 no collective, no copy between devices (sizes are read from tensor metadata). The first op seen is
 counted, not the ones it runs inside (the mode is off while an op it intercepted runs), so a
-functional collective is counted once. An op of those namespaces that it does not know fails loudly
+functional collective is counted once; an op on tensor subclasses (DTensor) is handed back to the
+subclass (`NotImplemented`), whose redistributions then reach the mode as plain collectives. An op of those namespaces that it does not know fails loudly
 (a torch upgrade that adds one must add its convention here). The mode declares
 `ignore_compile_internals`, so `torch.compile` still compiles under it; compiled collectives reach
 the dispatcher at run time and are counted there.
@@ -133,6 +134,8 @@ class _Counter(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if any(t is not torch.Tensor for t in types):
+            return NotImplemented  # a DTensor's op: its own handling runs first, and its collectives come back here
         volume = None if self.paused else wire_bytes(func, args, kwargs or {})
         if volume is not None:
             self.target.count(*volume)
