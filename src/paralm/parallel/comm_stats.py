@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from paralm.compat import TorchDispatchMode, resolve_process_group
 
@@ -80,7 +81,12 @@ for _names, _arg, _volume, _root in [
     (("all_gather_into_tensor", "all_gather_into_tensor_out"), "input", _ring(lambda p: p - 1), None),
     (("reduce_scatter_",), "input_tensors", _ring(lambda p: (p - 1) / p), None),
     (("_reduce_scatter_base_",), "input_tensor", _ring(lambda p: (p - 1) / p), None),
-    (("reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor_coalesced"), "inputs", _ring(lambda p: (p - 1) / p), None),
+    (
+        ("reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor_coalesced"),
+        "inputs",
+        _ring(lambda p: (p - 1) / p),
+        None,
+    ),
     (("reduce_scatter_tensor", "reduce_scatter_tensor_out"), "input", _ring(lambda p: (p - 1) / p), None),
     (("alltoall_",), "input_tensors", _ring(lambda p: (p - 1) / p), None),
     (("alltoall_base_", "all_to_all_single"), "input", _ring(lambda p: (p - 1) / p), None),
@@ -134,7 +140,7 @@ class _Counter(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
-        if any(t is not torch.Tensor for t in types):
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # a DTensor's op: its own handling runs first, and its collectives come back here
         volume = None if self.paused else wire_bytes(func, args, kwargs or {})
         if volume is not None:
