@@ -7,9 +7,11 @@ those ops (`CommStats.counting()`) therefore sees every collective and point-to-
 tensors actually handed over, in their wire dtype, whatever wrapper issued it, and adds nothing:
 no collective, no copy between devices (sizes are read from tensor metadata). The first op seen is
 counted, not the ones it runs inside (the mode is off while an op it intercepted runs), so a
-functional collective is counted once; an op on tensor subclasses (DTensor) is handed back to the
-subclass (`NotImplemented`), whose redistributions then reach the mode as plain collectives. An op of those namespaces that it does not know fails loudly
-(a torch upgrade that adds one must add its convention here). The mode declares
+functional collective is counted once; an op on DTensors is handed back to DTensor (`NotImplemented`),
+whose redistributions then reach the mode as plain collectives. An op of those namespaces that it
+does not know fails loudly (a torch upgrade that adds one must add its convention here). Exception:
+PowerSGD issues its second all-reduce in a future's callback on the communication thread, where no
+mode is active; its hook counts PowerSGD's own tally instead. The mode declares
 `ignore_compile_internals`, so `torch.compile` still compiles under it; compiled collectives reach
 the dispatcher at run time and are counted there.
 
