@@ -2,8 +2,9 @@
 
 Per step, with B the model's fp32 bytes and the conventions of `paralm.parallel.comm_stats` (summed
 over both ranks, P = 2): an all-reduce of n bytes costs 2n, an all-gather of n bytes per rank 2n, a
-reduce-scatter of n bytes n, a send n. Every step also gathers its 6 metrics (2 x 48 bytes), and a
-gradient norm over DTensor or pipeline-split gradients all-reduces one fp32 scalar (8 bytes).
+reduce-scatter of n bytes n, a send n. Every step also gathers its 6 metrics (2 x 48 bytes). The
+gradient norm of pipeline stages all-reduces one fp32 scalar (8 bytes); over FSDP's DTensor gradients,
+torch's `get_total_norm` reduces each parameter's norm separately (one fp32 scalar per parameter).
 """
 
 import pytest
@@ -29,6 +30,10 @@ def _counted(tmp_path, name, **sections):
     return [row["comm_bytes"] for row in read_metrics(config.run.dir)], model, config
 
 
+def _fsdp_norm(model) -> int:
+    return NORM * len(list(model.parameters()))
+
+
 def _bytes(params) -> int:
     return sum(p.numel() * 4 for p in params)
 
@@ -40,13 +45,13 @@ def test_ddp_all_reduces_every_gradient_once(tmp_path):
 
 def test_zero2_gathers_parameters_once_and_reduce_scatters_gradients(tmp_path):
     rows, model, _ = _counted(tmp_path, "zero2", parallel={"zero": 2})
-    assert rows == [2 * _bytes(model.parameters()) + NORM + METRICS] * 2
+    assert rows == [2 * _bytes(model.parameters()) + _fsdp_norm(model) + METRICS] * 2
 
 
 def test_zero3_gathers_the_blocks_again_in_backward(tmp_path):
     rows, model, _ = _counted(tmp_path, "zero3", parallel={"zero": 3})
     every, blocks = _bytes(model.parameters()), _bytes(model.blocks.parameters())
-    assert rows == [2 * every + blocks + NORM + METRICS] * 2
+    assert rows == [2 * every + blocks + _fsdp_norm(model) + METRICS] * 2
 
 
 def test_local_sgd_averages_the_parameters_every_step(tmp_path):
