@@ -28,3 +28,14 @@ def test_a_dispatch_mode_sees_the_ops():
     with Record():
         torch.ones(2).add_(1)
     assert seen
+
+
+def test_a_functional_collectives_group_resolves_by_name(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        group = compat.resolve_process_group(dist.group.WORLD.group_name)
+        assert group.size() == 1 and group.rank() == 0
+    finally:
+        dist.destroy_process_group()

@@ -7,6 +7,7 @@ Verbs that take a config accept `--config FILE` and any `--section.field=value` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -163,6 +164,22 @@ def check_ranges(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} {value} must be {bounds}")
 
 
+def config_fields_help() -> str:
+    """Every config field as `--section.field=DEFAULT  help`, grouped by section: what `train --help` ends with."""
+    from paralm.config import Config
+
+    lines = ["config fields (set in the TOML file or as --section.field=value):"]
+    for section in dataclasses.fields(Config):
+        lines.append(f"  [{section.name}]")
+        for f in dataclasses.fields(section.default_factory):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            note = f" ({', '.join(map(str, choices))})" if choices else ""
+            flag = f"--{section.name}.{f.name}={default}"
+            lines.append(f"    {flag:<38} {f.metadata.get('help', '')}{note}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="paralm",
@@ -171,7 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    train = verbs.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)")
+    train = verbs.add_parser(
+        "train",
+        help="train a model (one process, --nproc N, or under torchrun)",
+        epilog=config_fields_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("--config", help="TOML config file (default: the built-in tiny model)")
     train.add_argument("--nproc", type=int, default=1, help="local worker processes to start")
     train.add_argument(

@@ -14,12 +14,13 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 # would need a wrapper of our own that DCP does not know.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
 
 # Intercepting every op `init_weights` runs on a sharded parameter (to replay it at full size):
 # `TorchDispatchMode` is documented but exported only from this module.
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TorchDispatchMode", "checkpoint_wrapper", "flatten_mesh", "replicate"]
+__all__ = ["TorchDispatchMode", "checkpoint_wrapper", "flatten_mesh", "replicate", "resolve_process_group"]
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -27,3 +28,9 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     way: a new mesh over the same ranks would have another root, and FSDP2 (`replicate`) refuses to
     combine a data-parallel mesh with tensor-parallel DTensors from a different root."""
     return mesh._flatten(name)
+
+
+def resolve_process_group(group_name: str) -> ProcessGroup:
+    """The group a functional collective names (its ops take a group name, not a group, and the byte
+    counter needs its size and this rank's place); `_resolve_process_group` is the only lookup."""
+    return _resolve_process_group(group_name)

@@ -14,7 +14,7 @@ q, k and v are separate projections (Megatron shards them column-wise); Hugging 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +25,13 @@ from torch import nn
 class GPTConfig:
     """The model's shape; also the `[model]` section of a paralm config."""
 
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads
-    d_model: int = 128  # embedding width
-    block_size: int = 128  # context length in tokens
-    vocab_size: int = 256  # at least the tokenizer's; larger pads it
-    dropout: float = 0.0
-    bias: bool = True  # biases in linear layers and LayerNorms, as GPT-2
+    n_layer: int = field(default=4, metadata={"help": "transformer blocks"})
+    n_head: int = field(default=4, metadata={"help": "attention heads"})
+    d_model: int = field(default=128, metadata={"help": "embedding width"})
+    block_size: int = field(default=128, metadata={"help": "context length in tokens"})
+    vocab_size: int = field(default=256, metadata={"help": "at least the tokenizer's; larger pads it"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
+    bias: bool = field(default=True, metadata={"help": "biases in linear layers and LayerNorms, as GPT-2"})
 
 
 class CausalSelfAttention(nn.Module):

@@ -48,10 +48,11 @@ def _compressed(config, runtime, rank_batch, compression, passes=1, **comm) -> t
     ddp = apply_ddp(GPT(config.model), runtime, bucket_mb=25)
     if compression is not None:
         register_compression(ddp, runtime.dp_group, runtime.comm, CommConfig(compression=compression, **comm))
-    for _ in range(passes):
-        ddp.zero_grad(set_to_none=True)
-        runtime.comm.take_step()
-        grads = _backward(ddp, runtime, rank_batch)
+    with runtime.comm.counting():
+        for _ in range(passes):
+            ddp.zero_grad(set_to_none=True)
+            runtime.comm.take_step()
+            grads = _backward(ddp, runtime, rank_batch)
     return grads, runtime.comm.take_step()[0]
 
 

@@ -56,6 +56,16 @@ def test_local_sgd_with_one_local_step_equals_allreduce_for_sgd(tmp_path):
     assert _losses(local)[-1] < _losses(local)[0] - 0.05  # it trained: the comparison is not of idle runs
 
 
+def test_local_sgd_with_one_local_step_equals_one_process_for_sgd(tmp_path):
+    """Against one process accumulating the same global batch (2 x 4 sequences): the mean of the replicas'
+    SGD steps is one SGD step on the mean gradient; only the rounding order differs (1e-6)."""
+    single = tiny_config(tmp_path / "single", train={**SGD, "grad_accum": 2})
+    train(single)
+    local = _run(tmp_path, "local", SGD, {"mode": "local_sgd", "local_steps": 1})
+    _assert_same_training(single, local)
+    assert _losses(local)[-1] < _losses(local)[0] - 0.05
+
+
 def test_diloco_with_plain_outer_step_equals_local_sgd(tmp_path):
     local = _run(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 2})
     diloco = _run(tmp_path, "diloco", sync={"mode": "diloco", "local_steps": 2, "outer_lr": 1.0, "outer_momentum": 0.0})

@@ -10,9 +10,10 @@ and gradient norms (as for tensor parallelism, see test_tensor_parallel).
 import pytest
 
 from paralm.config import PIPELINE_SCHEDULES
-from paralm.parallel.runtime import init_runtime
+from paralm.model import GPT
+from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.pipeline_schedules import fewest_stages_per_rank
-from paralm.train.trainer import train
+from paralm.train.trainer import Trainer, train
 from tests.helpers import tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import (
@@ -60,3 +61,26 @@ def test_every_schedule_on_two_stages_matches_one_process(tmp_path):
 @pytest.mark.slow
 def test_four_stages_with_1f1b_and_interleaved_1f1b_match_one_process(tmp_path):
     _check(tmp_path, 4, [("1f1b", 1), ("interleaved_1f1b", 2)], n_layer=8)
+
+
+def _held_parameters(config):
+    runtime = init_runtime(config.parallel)
+    trainer = Trainer(config, runtime)
+    held = {name: p.numel() for name, p in trainer.model.named_parameters()}
+    shutdown(runtime)
+    return held
+
+
+def test_each_pipeline_rank_holds_only_its_stages(tmp_path):
+    """Two stages of a 2-layer model: the first holds the embeddings and block 0, the last block 1, the final
+    norm and its copy of the tied embedding; together they hold the whole model once (plus that copy)."""
+    config = tiny_config(tmp_path / "pp", parallel={"pp": 2})
+    first, last = run_ranks(_held_parameters, 2, tmp_path, config)
+    whole = {name: p.numel() for name, p in GPT(config.model).named_parameters()}
+    assert {name.split(".")[0] for name in first} == {"wte", "wpe", "blocks"}
+    assert {name.split(".")[1] for name in first if name.startswith("blocks.")} == {"0"}
+    assert {name.split(".")[0] for name in last} == {"blocks", "ln_f", "lm_head"}
+    assert {name.split(".")[1] for name in last if name.startswith("blocks.")} == {"1"}
+    assert first.keys().isdisjoint(last.keys())
+    assert {**first, **last} == {**whole, "lm_head.weight": whole["wte.weight"]}
+    assert sum(first.values()) + sum(last.values()) == sum(whole.values()) + whole["wte.weight"]

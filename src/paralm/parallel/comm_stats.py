@@ -1,37 +1,169 @@
-"""Bytes each rank hands to `torch.distributed` to keep replicas in sync, counted at the call.
+"""Bytes each rank hands to `torch.distributed`, counted at one layer: the dispatcher's collective ops.
 
-Every synchronisation path (DDP communication hooks, model averaging, parameter-server messages)
-sends through the counting wrappers here, so the figures are the sizes of the tensors actually
-handed over, in their wire dtype. Convention for collectives: an all-reduce of n bytes over P ranks
-is counted as a ring all-reduce, 2(P-1)/P x n sent and as much received per rank; an all-gather of
-n bytes per rank as (P-1) x n sent and received. Point-to-point messages count their size at both
-ends. A step's `comm_bytes` is the network traffic of the whole job: the bytes all ranks sent.
-Metrics traffic (loss, memory peaks, these counters themselves) is not synchronisation and is not
-counted.
+Every path ends in the same place: `torch.distributed`'s functions (DDP's reducer, FSDP2's
+all-gathers and reduce-scatters, pipelining's sends, our own hooks) dispatch the `c10d::*` ops, and
+DTensor and the functional collectives dispatch `_c10d_functional::*`. A `TorchDispatchMode` over
+those ops (`CommStats.counting()`) therefore sees every collective and point-to-point call with the
+tensors actually handed over, in their wire dtype, whatever wrapper issued it, and adds nothing:
+no collective, no copy between devices (sizes are read from tensor metadata). The first op seen is
+counted, not the ones it runs inside (the mode is off while an op it intercepted runs), so a
+functional collective is counted once; an op on DTensors is handed back to DTensor (`NotImplemented`),
+whose redistributions then reach the mode as plain collectives. An op of those namespaces that it
+does not know fails loudly (a torch upgrade that adds one must add its convention here). Exception:
+PowerSGD issues its second all-reduce in a future's callback on the communication thread, where no
+mode is active; its hook counts PowerSGD's own tally instead. The mode declares
+`ignore_compile_internals`, so `torch.compile` still compiles under it; compiled collectives reach
+the dispatcher at run time and are counted there.
+
+Conventions, per rank, for a group of P ranks and n bytes handed over by this rank:
+- all-reduce: a ring, 2(P-1)/P x n sent and as much received;
+- all-gather (n = this rank's input): (P-1) x n sent and received;
+- reduce-scatter (n = the full input) and all-to-all: (P-1)/P x n sent and received;
+- broadcast: a star from the root, which sends (P-1) x n; every other rank receives n;
+- reduce and gather: every non-root sends n, the root receives (P-1) x n; scatter the reverse;
+- send and receive: n at each end.
+A step's `comm_bytes` is the traffic of the whole job: the bytes every rank sent in the step.
+Traffic between steps (set-up broadcasts, checkpoint loads, validation, the metrics read-back and
+the stop-signal agreement) is counted apart, as `other_bytes` in `comm.json`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from paralm.compat import TorchDispatchMode, resolve_process_group
 
 SUMMARY_FILE = "comm.json"
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+IGNORED = {"barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd", "check_for_nan"}
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of a tensor or a (nested) list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)
+
+
+def _ring(fraction: Callable[[int], float]) -> Callable[[int, int, bool], tuple[float, float]]:
+    def volume(n: int, size: int, root: bool) -> tuple[float, float]:
+        return fraction(size) * n, fraction(size) * n
+
+    return volume
+
+
+def _rooted(n: int, size: int, root: bool) -> tuple[float, float]:  # reduce, gather: all send to the root
+    return (0, (size - 1) * n) if root else (n, 0)
+
+
+def _from_root(n: int, size: int, root: bool) -> tuple[float, float]:  # broadcast, scatter
+    return ((size - 1) * n, 0) if root else (0, n)
+
+
+# op name -> (the argument whose size is n, how n becomes (sent, received) per rank, the root argument)
+RULES: dict[str, tuple[str, Callable[[int, int, bool], tuple[float, float]], str | None]] = {}
+for _names, _arg, _volume, _root in [
+    (("allreduce_", "allreduce_coalesced_"), "tensors", _ring(lambda p: 2 * (p - 1) / p), None),
+    (("all_reduce", "all_reduce_"), "input", _ring(lambda p: 2 * (p - 1) / p), None),
+    (("all_reduce_coalesced", "all_reduce_coalesced_"), "inputs", _ring(lambda p: 2 * (p - 1) / p), None),
+    (("allgather_",), "input_tensors", _ring(lambda p: p - 1), None),
+    (("_allgather_base_",), "input_tensor", _ring(lambda p: p - 1), None),
+    (("allgather_coalesced_",), "input_list", _ring(lambda p: p - 1), None),
+    (("allgather_into_tensor_coalesced_", "all_gather_into_tensor_coalesced"), "inputs", _ring(lambda p: p - 1), None),
+    (("all_gather_into_tensor", "all_gather_into_tensor_out"), "input", _ring(lambda p: p - 1), None),
+    (("reduce_scatter_",), "input_tensors", _ring(lambda p: (p - 1) / p), None),
+    (("_reduce_scatter_base_",), "input_tensor", _ring(lambda p: (p - 1) / p), None),
+    (
+        ("reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor_coalesced"),
+        "inputs",
+        _ring(lambda p: (p - 1) / p),
+        None,
+    ),
+    (("reduce_scatter_tensor", "reduce_scatter_tensor_out"), "input", _ring(lambda p: (p - 1) / p), None),
+    (("alltoall_",), "input_tensors", _ring(lambda p: (p - 1) / p), None),
+    (("alltoall_base_", "all_to_all_single"), "input", _ring(lambda p: (p - 1) / p), None),
+    (("broadcast_",), "tensors", _from_root, "root_rank"),
+    (("broadcast",), "input", _from_root, "src"),
+    (("reduce_",), "tensors", _rooted, "root_rank"),
+    (("gather_",), "input_tensors", _rooted, "root_rank"),
+    (("scatter_",), "output_tensors", _from_root, "root_rank"),
+    (("send",), "tensors", lambda n, size, root: (n, 0), None),
+    (("isend",), "tensor", lambda n, size, root: (n, 0), None),
+    (("recv_", "recv_any_source_"), "tensors", lambda n, size, root: (0, n), None),
+    (("irecv",), "tensor", lambda n, size, root: (0, n), None),
+]:
+    for _name in _names:
+        RULES[_name] = (_arg, _volume, _root)
+
+
+def _group_of(bound: dict[str, Any]) -> Any:
+    if "process_group" in bound:  # the dispatcher hands the group over boxed (a script object)
+        return dist.ProcessGroup.unbox(bound["process_group"])
+    return resolve_process_group(bound["group_name"])
+
+
+def wire_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[float, float] | None:
+    """(sent, received) by this rank for one dispatched op; None when it is not communication."""
+    name = func._schema.name.split("::")[-1]
+    if func.namespace not in NAMESPACES or name in IGNORED:
+        return None
+    bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+    if name == "batch_p2p_ops":
+        sizes = [_nbytes(t) for t in bound["tensors"]]
+        sent = sum(n for op, n in zip(bound["op_list"], sizes, strict=True) if op == "isend")
+        return sent, sum(sizes) - sent
+    if name not in RULES:
+        raise NotImplementedError(f"paralm.parallel.comm_stats: no byte convention for {func}")
+    arg, volume, root_arg = RULES[name]
+    group = _group_of(bound)
+    is_root = root_arg is not None and bound[root_arg] == group.rank()
+    return volume(_nbytes(bound[arg]), group.size(), is_root)
+
+
+class _Counter(TorchDispatchMode):
+    """Counts each collective op into `target` (the `CommStats` whose wrapper issued it, else the default)."""
+
+    def __init__(self, target: CommStats) -> None:
+        super().__init__()
+        self.target, self.paused = target, False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # a DTensor's op: its own handling runs first, and its collectives come back here
+        volume = None if self.paused else wire_bytes(func, args, kwargs or {})
+        if volume is not None:
+            self.target.count(*volume)
+        return func(*args, **(kwargs or {}))
+
+
+_active: _Counter | None = None  # the counting mode of this process, while one is entered
 
 
 @dataclass
 class CommStats:
-    """This rank's counters: totals since the start, and what the current step has sent so far."""
+    """This rank's counters: training-step totals since the start, the current step so far, and the
+    traffic outside steps (set-up, validation), kept apart so steps show only their own."""
 
     sent: int = 0
     received: int = 0
     step_sent: int = 0
     step_received: int = 0
+    other_sent: int = 0
+    other_received: int = 0
 
     def count(self, sent: float, received: float) -> None:
         self.sent += round(sent)
@@ -39,32 +171,71 @@ class CommStats:
         self.step_sent += round(sent)
         self.step_received += round(received)
 
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count every collective issued inside into this object (nested: redirected to it)."""
+        global _active
+        if _active is not None:
+            previous, _active.target = _active.target, self
+            try:
+                yield
+            finally:
+                _active.target = previous
+            return
+        with _Counter(self) as _active:
+            try:
+                yield
+            finally:
+                _active = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Issue collectives without counting them (the caller counts their bytes in advance)."""
+        counter = _active
+        if counter is not None:
+            counter.paused = True
+        try:
+            yield
+        finally:
+            if counter is not None:
+                counter.paused = False
+
+    def take_step(self) -> tuple[int, int]:
+        """Bytes (sent, received) since the last call, this rank only."""
+        counts = self.step_sent, self.step_received
+        self.step_sent = self.step_received = 0
+        return counts
+
+    def set_aside(self) -> None:
+        """What was counted since the last step is not a step's (set-up, validation): kept apart."""
+        self.other_sent += self.step_sent
+        self.other_received += self.step_received
+        self.sent -= self.step_sent
+        self.received -= self.step_received
+        self.step_sent = self.step_received = 0
+
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
-        """`dist.all_reduce` (sum), counted."""
-        size = dist.get_world_size(group)
-        ring = 2 * (size - 1) / size * tensor.numel() * tensor.element_size()
-        self.count(ring, ring)
-        return dist.all_reduce(tensor, group=group, async_op=async_op)
+        """`dist.all_reduce` (sum), counted here."""
+        with self.counting():
+            return dist.all_reduce(tensor, group=group, async_op=async_op)
 
     def all_gather(
         self, outputs: list[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
     ) -> Any:
-        """`dist.all_gather`, counted."""
-        ring = (dist.get_world_size(group) - 1) * tensor.numel() * tensor.element_size()
-        self.count(ring, ring)
-        return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
+        """`dist.all_gather`, counted here."""
+        with self.counting():
+            return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
-        self.count(tensor.numel() * tensor.element_size(), 0)
-        dist.send(tensor, dst, group=group, tag=tag)
+        with self.counting():
+            dist.send(tensor, dst, group=group, tag=tag)
 
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: dist.ProcessGroup | None = None
     ) -> int:
         """Receive into `tensor` from `src` (from whichever rank sends first when None); returns the sender."""
-        sender = dist.recv(tensor, src, group=group, tag=tag)
-        self.count(0, tensor.numel() * tensor.element_size())
-        return sender
+        with self.counting():
+            return dist.recv(tensor, src, group=group, tag=tag)
 
     def send_object(self, obj: Any, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
         """A state dict (tensors, numbers, strings), pickled: its length, then its bytes (CPU tensors:
@@ -82,26 +253,35 @@ class CommStats:
         self.recv(data, src, tag, group)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
-    def take_step(self) -> tuple[int, int]:
-        """Bytes (sent, received) since the last call, this rank only."""
-        counts = self.step_sent, self.step_received
-        self.step_sent = self.step_received = 0
-        return counts
-
     def summarise(self, world_size: int, steps: int, run_dir: Path | None, device: torch.device) -> str | None:
-        """Gather every rank's totals (collective over all ranks, on this rank's `device`); the rank given
-        `run_dir` writes `comm.json` there and gets a one-line summary. `steps`: the steps this process ran."""
-        mine = torch.tensor([self.sent, self.received], dtype=torch.float64, device=device)
+        """Gather every rank's totals (collective over all ranks, on this rank's `device`, not counted); the
+        rank given `run_dir` writes `comm.json` there and gets a one-line summary. `steps`: the steps this
+        process ran."""
+        self.set_aside()
+        mine = torch.tensor(
+            [self.sent, self.received, self.other_sent, self.other_received], dtype=torch.float64, device=device
+        )
         table = [torch.zeros_like(mine) for _ in range(world_size)]
         if world_size > 1:
-            dist.all_gather(table, mine)
+            with self.paused():
+                dist.all_gather(table, mine)
         else:
             table = [mine]
         if run_dir is None:
             return None
-        per_rank = [{"rank": r, "sent": int(row[0]), "received": int(row[1])} for r, row in enumerate(table)]
+        per_rank = [
+            {"rank": r, "sent": int(row[0]), "received": int(row[1]), "other_sent": int(row[2]),
+             "other_received": int(row[3])}
+            for r, row in enumerate(table)
+        ]  # fmt: skip
         total = sum(r["sent"] for r in per_rank)
-        summary = {"total_bytes": total, "steps": steps, "bytes_per_step": total / max(steps, 1), "ranks": per_rank}
+        summary = {
+            "total_bytes": total,
+            "steps": steps,
+            "bytes_per_step": total / max(steps, 1),
+            "other_bytes": sum(r["other_sent"] for r in per_rank),
+            "ranks": per_rank,
+        }
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         busiest = max(per_rank, key=lambda r: r["sent"] + r["received"])
         return (

@@ -1,7 +1,7 @@
 """Gradient compression for DDP's all-reduce, as DDP communication hooks that count their bytes.
 
-- none: no hook; DDP's own reducer all-reduces every bucket on each synced backward, and its bytes
-  are counted from the bucket sizes (all trainable parameters) by a forward hook.
+- none: no hook; DDP's own reducer all-reduces every bucket on each synced backward (the byte
+  counter of `paralm.parallel.comm_stats` sees its all-reduces at the dispatcher).
 - fp16: PyTorch's `fp16_compress_wrapper` around it: buckets travel as fp16.
 - bf16: the same cast to bf16. PyTorch's bf16 hook and wrapper are refused by DDP unless on NCCL,
   while gloo all-reduces bf16 fine, so the wrapper is our own.
@@ -13,9 +13,8 @@
 
 `CompressedAllReduce` is the sync strategy of a compressed DDP: it checkpoints the hooks' state
 (PowerSGD's error feedback, warm-start P and Q and step counter; top-k's residuals), which differs
-across ranks, under `rank<r>.` keys. Entries are per DDP bucket, as the hooks keep them: a resumed DDP
-buckets its first step by parameter order and then by gradient order, so resuming is exact when those
-agree (one bucket for small models; tested) and the rank count is the same (else refused).
+across ranks, under `rank<r>.` keys, cut by parameter (`paralm.parallel.bucket_state`) so that DDP's rebucketing
+after a resume does not misplace them; resuming needs the same rank count (else refused).
 """
 
 import math
@@ -85,10 +84,9 @@ class CompressedAllReduce(SyncStrategy):
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
 ) -> SyncStrategy:
-    """Install the configured hook (every byte DDP all-reduces is then counted in `stats`); returns the
-    sync strategy that checkpoints the hook's state."""
+    """Install the configured hook (`none`: DDP's own reducer, whose all-reduces the byte counter sees);
+    returns the sync strategy that checkpoints the hook's state."""
     if comm.compression == "none":
-        count_native_allreduce(ddp, group, stats)
         return SyncStrategy()
     names = {p.data_ptr(): name for name, p in ddp.module.named_parameters()}
     state = HookState(group, stats, comm.topk_ratio)
@@ -112,20 +110,6 @@ def register_compression(
         return SyncStrategy()
     device = next(ddp.module.parameters()).device
     return CompressedAllReduce(state, dist.get_rank(group), dist.get_world_size(group), device)
-
-
-def count_native_allreduce(ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats) -> None:
-    """Count what DDP's reducer sends without replacing it: every bucket once per backward that syncs,
-    i.e. after each training forward outside `no_sync` (DDP's `require_backward_grad_sync`)."""
-    bucket_bytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
-    size = dist.get_world_size(group)
-    ring = 2 * (size - 1) / size * bucket_bytes
-
-    def count(module: DistributedDataParallel, args: object, output: object) -> None:
-        if torch.is_grad_enabled() and module.require_backward_grad_sync:
-            stats.count(ring, ring)
-
-    ddp.register_forward_hook(count)
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> Future:
@@ -181,8 +165,10 @@ def q_layout(names: dict[int, str], psgd: powersgd.PowerSGDState) -> LayoutOf:
 
 
 def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
-    """PyTorch's PowerSGD hook, counted: PowerSGD tallies the elements it all-reduces per bucket
-    (uncompressed vectors plus the P and Q factors); before its start step it all-reduces the bucket."""
+    """PyTorch's PowerSGD hook, counted from PowerSGD's own tally of the elements it all-reduces per
+    bucket (uncompressed vectors plus the P and Q factors; before its start step, the bucket): its Q
+    all-reduce runs in a future's callback on the communication thread, out of the byte counter's
+    reach, so the hook runs with the counter paused and counts the tally instead."""
     psgd = state.powersgd
     compressing = psgd.iter >= psgd.start_powerSGD_iter
     state.buckets.align(bucket)
@@ -194,7 +180,8 @@ def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
     else:
         psgd.p_memory_dict.pop(index, None)
     before = psgd.total_numel_after_compression
-    future = powersgd.powerSGD_hook(psgd, bucket)
+    with state.stats.paused():
+        future = powersgd.powerSGD_hook(psgd, bucket)
     buffer = bucket.buffer()
     numel = psgd.total_numel_after_compression - before if compressing else buffer.numel()
     size = dist.get_world_size(psgd.process_group)

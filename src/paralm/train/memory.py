@@ -82,9 +82,22 @@ class ZeroPrediction:
 
 
 def predict(config: Config, model: nn.Module, stage: int, shards: int) -> ZeroPrediction:
-    """The prediction for the ZeRO `stage` in effect over `shards` data-parallel shards."""
-    num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
+    """The prediction for the ZeRO `stage` in effect over `shards` data-parallel shards, Ψ being the
+    parameters of this rank's model-parallel part (its pipeline stages, its tensor-parallel shards)."""
+    num_params = sum(_tensor_parallel_numel(p) for p in model.parameters())
     return ZeroPrediction(stage, shards, num_params, StateBytes.of(config.precision.dtype, config.train.optimizer))
+
+
+def _tensor_parallel_numel(param: torch.Tensor) -> int:
+    """Elements of `param` on this tensor-parallel rank: a DTensor sharded over the `tp` mesh dim counts
+    its share; data-parallel (FSDP) sharding is the formula's N, so it counts whole there."""
+    numel = param.numel()
+    if isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names or ()
+        for dim, (name, placement) in enumerate(zip(names, param.placements, strict=True)):
+            if name == "tp" and placement.is_shard():
+                numel //= param.device_mesh.size(dim)
+    return numel
 
 
 def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

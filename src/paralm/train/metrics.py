@@ -46,7 +46,9 @@ def open_run_log(config: Config, start_step: int) -> MetricsLogger:
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(config.to_toml())
-    return MetricsLogger(run_dir, config.log, start_step, config.train.steps)
+    logger = MetricsLogger(run_dir, config.log, start_step, config.train.steps)
+    logger.message(f"paralm: writing {run_dir}/ ({CONFIG_FILE}, {METRICS_FILE}, checkpoints)")
+    return logger
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -100,6 +102,8 @@ class MetricsLogger:
 
     def progress(self, row: dict[str, Any]) -> None:
         summary = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.1f}%"
+        if row.get("val_loss") is not None:
+            summary += f" | val {row['val_loss']:.4f}"
         if self._interactive:
             self._bar.update(1)
             self._bar.set_postfix_str(summary, refresh=False)

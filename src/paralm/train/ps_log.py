@@ -23,11 +23,13 @@ class ServerLog:
         self.config, self.shard, self.link, self.update_batch = config, shard, link, update_batch
         self.run_dir = Path(config.run.dir)
         peak = device_peak_flops(runtime.device, config.precision.dtype)
-        self.throughput = Throughput(shard.model.flops_per_token(), peak, runtime.world_size)
+        # MFU over the devices that compute: the workers (the servers only apply updates)
+        self.throughput = Throughput(shard.model.flops_per_token(), peak, runtime.world_size - runtime.servers)
         self.pending_traffic = 0.0  # reported by workers, not yet in a row
         self.logger = open_run_log(config, shard.version)
         self.logger.message(banner(self._describe(runtime), shard.version, config.train.steps))
-        self.last_time = time.perf_counter()
+        self.last_time = self.start_time = time.perf_counter()
+        self.first_version = shard.version
 
     def _describe(self, runtime: Runtime) -> str:
         s, t, workers = self.config.sync, self.config.train, runtime.dims.dp
@@ -46,6 +48,8 @@ class ServerLog:
     def row(self, loss: float, grad_norm: float, server_traffic: float) -> dict[str, Any]:
         now = time.perf_counter()
         step_time, self.last_time = now - self.last_time, now
+        if self.config.sync.ps_async:  # updates arrive in bursts (queued pushes): the mean time per update so far
+            step_time = (now - self.start_time) / (self.shard.version - self.first_version)
         traffic, self.pending_traffic = self.pending_traffic + server_traffic, 0.0
         step = self.shard.version - 1
         return step_row(

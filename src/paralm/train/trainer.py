@@ -45,10 +45,11 @@ from paralm.train.step_metrics import StepMetrics
 def train(config: Config) -> None:
     runtime = init_runtime(config.parallel, servers=config.sync.servers)
     try:
-        if config.sync.mode == "parameter_server":
-            run_parameter_server(config, runtime, Trainer)
-        else:
-            Trainer(config, runtime).fit()
+        with runtime.comm.counting():  # every collective from here on is counted (paralm.parallel.comm_stats)
+            if config.sync.mode == "parameter_server":
+                run_parameter_server(config, runtime, Trainer)
+            else:
+                Trainer(config, runtime).fit()
     except Interrupted:
         shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
         raise
@@ -125,7 +126,7 @@ class Trainer:
         )
 
     def fit(self) -> None:
-        with StopSignals() as self.stop:  # SIGINT/SIGTERM stop the loop after a step every rank agrees on
+        with StopSignals() as self.stop, self.runtime.comm.counting():  # SIGINT/SIGTERM: stop after a step all agree on
             self._fit()
             self.checkpointer.wait()  # the last checkpoint is complete before the job ends
 
@@ -138,6 +139,7 @@ class Trainer:
             if signum := self.stop.agreed(self.runtime):
                 self._stop(signum)
             self.memory.measuring = self.step == first or (self.step + 1) % self.config.log.every == 0
+            self.runtime.comm.set_aside()  # set-up, validation, metrics and checkpoints are no step's traffic
             self.train_step()
             self.step += 1
             last = self.step == t.steps

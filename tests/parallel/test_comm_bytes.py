@@ -1,0 +1,70 @@
+"""Counted bytes equal the analytic volume of each layout, 2 ranks, fp32, the tiny model.
+
+Per step, with B the model's fp32 bytes and the conventions of `paralm.parallel.comm_stats` (summed
+over both ranks, P = 2): an all-reduce of n bytes costs 2n, an all-gather of n bytes per rank 2n, a
+reduce-scatter of n bytes n, a send n. The metrics read-back and the stop-signal agreement happen
+between steps and are not a step's traffic (`other_bytes` in comm.json). The gradient norm of pipeline stages all-reduces one fp32 scalar (8 bytes); over FSDP's DTensor gradients,
+torch's `get_total_norm` reduces each parameter's norm separately (one fp32 scalar per parameter).
+"""
+
+import pytest
+
+from paralm.model import GPT
+from paralm.train.trainer import train
+from tests.helpers import read_metrics, tiny_config
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.slow
+NORM = 2 * 4  # one fp32 scalar all-reduced
+
+
+def _train(config):
+    train(config)
+
+
+def _counted(tmp_path, name, **sections):
+    config = tiny_config(tmp_path / name, train={"steps": 2, "optimizer": "sgd", "grad_clip": 1.0}, **sections)
+    run_ranks(_train, 2, tmp_path, config)
+    model = GPT(config.model)
+    return [row["comm_bytes"] for row in read_metrics(config.run.dir)], model, config
+
+
+def _fsdp_norm(model) -> int:
+    return NORM * len(list(model.parameters()))
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * 4 for p in params)
+
+
+def test_ddp_all_reduces_every_gradient_once(tmp_path):
+    rows, model, _ = _counted(tmp_path, "ddp")
+    assert rows[0] == 2 * _bytes(model.parameters())  # step 1 adds DDP's bucket rebuild
+
+
+def test_zero2_gathers_parameters_once_and_reduce_scatters_gradients(tmp_path):
+    rows, model, _ = _counted(tmp_path, "zero2", parallel={"zero": 2})
+    assert rows == [2 * _bytes(model.parameters()) + _fsdp_norm(model)] * 2
+
+
+def test_zero3_gathers_the_blocks_again_in_backward(tmp_path):
+    rows, model, _ = _counted(tmp_path, "zero3", parallel={"zero": 3})
+    every, blocks = _bytes(model.parameters()), _bytes(model.blocks.parameters())
+    assert rows == [2 * every + blocks + _fsdp_norm(model)] * 2
+
+
+def test_local_sgd_averages_the_parameters_every_step(tmp_path):
+    rows, model, _ = _counted(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 1})
+    bad_step_flag = 2 * 4  # replicas' gradients differ: they agree on skipping a NaN step (one int32)
+    assert rows == [2 * _bytes(model.parameters()) + bad_step_flag] * 2
+
+
+def test_pipeline_sends_activations_and_sums_the_tied_embedding(tmp_path):
+    rows, model, config = _counted(tmp_path, "pp", parallel={"pp": 2, "pp_microbatches": 2})
+    micro = config.train.micro_batch_size // 2
+    activation = micro * config.model.block_size * config.model.d_model * 4
+    tied = 2 * _bytes([model.wte.weight])
+    # 2 micro-batches: each sends its activations forward and their gradient back; step 0 also
+    # exchanges the stages' shapes
+    assert rows[1] == 2 * 2 * activation + tied + NORM
+    assert rows[0] > rows[1]
