@@ -168,12 +168,15 @@ def _hooks(config):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from paralm.parallel import compression
+    from paralm.parallel.bucket_state import BucketState
     from paralm.parallel.comm_stats import CommStats
     from paralm.parallel.runtime import init_runtime, shutdown
 
     with Discipline().active() as discipline:
         runtime = init_runtime(config.parallel)
         state = compression.HookState(None, CommStats(), topk_ratio=0.25)
+        one_parameter = lambda bucket: ([("weight", 0, 64)], 64)  # noqa: E731 - the bucket holds one 64-entry gradient
+        state.buckets = BucketState({"residual": (state.residuals, one_parameter)})
         hooks = {
             "fp16": default_hooks.fp16_compress_wrapper(compression.allreduce_hook),
             "bf16": compression.bf16_compress_wrapper(compression.allreduce_hook),
