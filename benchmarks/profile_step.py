@@ -1,10 +1,11 @@
 """Where a training step of one process spends its time: `torch.profiler` over paralm's own step.
 
     python benchmarks/profile_step.py [--dtype bf16] [--steps 3] [--threads 1] [--top 10] [--compile]
+                                      [--d-model 384] [--n-layer 6]
 
-The model is the one `vs_nanogpt.py` compares (6 layers, 6 heads, d_model 384, block 256, batch 12,
-dropout 0); the step is `Trainer.train_step` (forward, backward, clipping, optimizer, metrics), run
-after two warm-up steps. Prints the operators with the most self CPU time.
+The model is by default the one `vs_nanogpt.py` compares (6 layers, 6 heads, d_model 384, block 256,
+batch 12, dropout 0; heads are d_model / 64); the step is `Trainer.train_step` (forward, backward,
+clipping, optimizer, metrics), run after two warm-up steps. Prints the operators with the most self CPU time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from paralm.config import Config
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
 
-MODEL = {"n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 256, "dropout": 0.0, "bias": True}
+MODEL = {"block_size": 256, "dropout": 0.0, "bias": True}
 
 
 def main() -> None:
@@ -29,13 +30,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="train.compile = true")
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--n-layer", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as run_dir:
         config = Config.from_dict(
             {
                 "run": {"dir": run_dir},
-                "model": MODEL,
+                "model": MODEL
+                | {"d_model": args.d_model, "n_layer": args.n_layer, "n_head": max(1, args.d_model // 64)},
                 "train": {"steps": 2 + args.steps, "micro_batch_size": 12, "eval_every": 0, "compile": args.compile},
                 "precision": {"dtype": args.dtype},
                 "log": {"tensorboard": False, "progress": False},

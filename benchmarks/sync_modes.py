@@ -65,7 +65,8 @@ def schedule(args: argparse.Namespace, updates_per_step: int) -> list[str]:
 def run(name: str, nproc: int, overrides: list[str], args: argparse.Namespace) -> dict:
     run_dir = args.out / name.replace(" ", "_").replace(",", "").replace("%", "pc")
     base = [
-        f"--model.d_model={args.d_model}", f"--model.n_layer={args.layers}", f"--model.n_head={max(1, args.d_model // 64)}",
+        f"--model.d_model={args.d_model}", f"--model.n_layer={args.layers}",
+        f"--model.n_head={max(1, args.d_model // 64)}",
         "--model.block_size=128", "--model.dropout=0", f"--train.micro_batch_size={args.micro_batch}",
         *schedule(args, 1),
         "--train.eval_every=0", "--train.eval_samples=256", "--checkpoint.resume=none", "--log.tensorboard=false",

@@ -1,8 +1,8 @@
 """Model-state memory per rank under ZeRO 0-3 on 1, 2 and 4 ranks, beside the ZeRO paper; precision speed.
 
-    python benchmarks/zero_memory.py [--steps 6] [--gpt2]
+    python benchmarks/zero_memory.py [--steps 6] [--gpt2] [--d-model 384] [--n-layer 6] [--ranks 1 2 4]
 
-Table 1: the 6-layer, 384-wide model (block 256, byte vocabulary, Ψ = 10.8M), fp32 AdamW, global
+Table 1: by default the 6-layer, 384-wide model (block 256, byte vocabulary, Ψ = 10.8M), fp32 AdamW, global
 batch 12 sequences on every layout. "measured" is parameters + gradients + optimizer state held by
 the largest rank (paralm.train.memory counts them from the local tensors); "predicted" is
 Rajbhandari et al. 2020's formula for the stage, in its fp32 form (16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N,
@@ -27,23 +27,26 @@ from paralm.model import GPT, GPTConfig
 from paralm.train.memory import MiB, StateBytes, ZeroPrediction
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = {"n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 256}
-MODEL_ARGS = ["--config", str(ROOT / "configs/tiny.toml"), *(f"--model.{k}={v}" for k, v in SHAPE.items())]
 GLOBAL_BATCH = 12
 CORES = os.cpu_count() or 1
 
 
-def _run(extra: list[str], steps: int, nproc: int) -> dict[str, float]:
-    args = [*MODEL_ARGS, f"--train.steps={steps}", f"--train.micro_batch_size={GLOBAL_BATCH // nproc}", *extra]
+def model_shape(d_model: int, n_layer: int) -> dict[str, int]:
+    return {"n_layer": n_layer, "n_head": max(1, d_model // 64), "d_model": d_model, "block_size": 256}
+
+
+def _run(shape: dict[str, int], extra: list[str], steps: int, nproc: int) -> dict[str, float]:
+    model = ["--config", str(ROOT / "configs/tiny.toml"), *(f"--model.{k}={v}" for k, v in shape.items())]
+    args = [*model, f"--train.steps={steps}", f"--train.micro_batch_size={GLOBAL_BATCH // nproc}", *extra]
     return train_metrics(args, threads=max(1, CORES // nproc), nproc=nproc)
 
 
-def memory_table(steps: int) -> None:
-    num_params = GPT(GPTConfig(**SHAPE)).num_params(exclude_position_embedding=False)
+def memory_table(shape: dict[str, int], steps: int, all_ranks: list[int]) -> None:
+    num_params = GPT(GPTConfig(**shape)).num_params(exclude_position_embedding=False)
     rows = []
-    for ranks in (1, 2, 4):
+    for ranks in all_ranks:
         for stage in (0,) if ranks == 1 else (0, 1, 2, 3):
-            m = _run([f"--parallel.zero={stage}"], steps, ranks)
+            m = _run(shape, [f"--parallel.zero={stage}"], steps, ranks)
             prediction = ZeroPrediction(stage, ranks, num_params, StateBytes.of("fp32", "adamw"))
             measured = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
             rows.append([
@@ -52,7 +55,8 @@ def memory_table(steps: int) -> None:
                 *(f"{m[k] / MiB:,.1f}" for k in ("param_bytes", "grad_bytes", "optim_bytes")),
                 f"{m['peak_mem_bytes'] / MiB:,.0f}", f"{m['tokens_per_s']:,.0f}",
             ])  # fmt: skip
-    print(f"ZeRO model state per rank: 6 x 384 model, Ψ = {num_params:,}, fp32 AdamW, global batch {GLOBAL_BATCH}")
+    size = f"{shape['n_layer']} x {shape['d_model']}"
+    print(f"ZeRO model state per rank: {size} model, Ψ = {num_params:,}, fp32 AdamW, global batch {GLOBAL_BATCH}")
     print_table(
         ["zero", "ranks", "formula", "predicted MiB", "measured MiB", "ratio", "params", "grads", "optim",
          "peak MiB", "tokens/s"],
@@ -60,8 +64,8 @@ def memory_table(steps: int) -> None:
     )  # fmt: skip
 
 
-def precision_table(steps: int) -> None:
-    results = {dtype: _run([f"--precision.dtype={dtype}"], steps, 1) for dtype in ("fp32", "bf16", "fp16")}
+def precision_table(shape: dict[str, int], steps: int) -> None:
+    results = {dtype: _run(shape, [f"--precision.dtype={dtype}"], steps, 1) for dtype in ("fp32", "bf16", "fp16")}
     fp32 = results["fp32"]["tokens_per_s"]
     rows = [
         [dtype, f"{m['tokens_per_s']:,.0f}", f"{100 * m['mfu']:.1f}%", f"{m['tokens_per_s'] / fp32:.2f}"]
@@ -90,12 +94,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first 2 are not counted")
     parser.add_argument("--gpt2", action="store_true", help="only the GPT-2 124M ZeRO-3 run on the visible GPUs")
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     if args.gpt2:
         gpt2_table(args.steps)
         return
-    memory_table(args.steps)
-    precision_table(args.steps)
+    shape = model_shape(args.d_model, args.n_layer)
+    memory_table(shape, args.steps, args.ranks)
+    precision_table(shape, args.steps)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Run a function on N local ranks the way `torchrun` would (same environment variables), on gloo.
 
-The function must be importable (defined at module level); each rank's return value is saved
-with `torch.save` and handed back in rank order.
+The ranks are forked from the test process: they inherit its imported modules instead of importing
+torch and paralm again (about 4 s of CPU per rank, most of a small test's time on 2 cores). Each
+rank's return value is saved with `torch.save` and handed back in rank order.
 """
 
 from __future__ import annotations
@@ -38,6 +39,6 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list
     out = tmp_path / f"results-{fn.__name__}-{world_size}"
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), str(out), args), nprocs=world_size, start_method="spawn"
+        _entry, args=(fn, world_size, free_port(), str(out), args), nprocs=world_size, start_method="fork"
     )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

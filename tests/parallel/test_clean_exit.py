@@ -19,12 +19,12 @@ MODES = {
     "zero3": ["--parallel.zero=3"],
     "pp": ["--parallel.pp=2", "--parallel.pp_microbatches=2", "--train.grad_accum=1"],
 }
-RUNS_PER_MODE = 7  # 21 jobs in all
+RUNS_PER_MODE = 3  # 9 jobs in all; every other multi-rank test is a clean-exit check too
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_twenty_one_short_jobs_all_exit_0(tmp_path, mode):
+def test_short_jobs_all_exit_0(tmp_path, mode):
     for attempt in range(RUNS_PER_MODE):
         run = tmp_path / f"{mode}-{attempt}"
         command = [sys.executable, "-m", "paralm", "train", "--nproc", "2", *TINIEST, *MODES[mode]]
