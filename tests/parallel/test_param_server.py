@@ -154,14 +154,31 @@ def test_asynchronous_parameter_server_learns_within_its_staleness_bound(tmp_pat
 
 
 def test_a_slow_worker_does_not_stall_the_others_when_asynchronous(tmp_path):
-    """Rank 2 sleeps 0.5 s per batch, far longer than a tiny step: the fast worker (rank 1) makes
+    """Rank 2 sleeps 0.2 s per batch, far longer than a tiny step: the fast worker (rank 1) makes
     most updates. A synchronous server, which needs both gradients each step, alternates them."""
-    slow = {"straggler_rank": 2, "straggler_delay_s": 0.5}
-    config = _ps(tmp_path, "straggler", ps_async=True, max_staleness=100, **slow)
-    config.train.steps = 12
-    run_ranks(_train, 3, tmp_path, config)
-    workers = [r["worker"] for r in _rows(config)]
+    rows = _with_a_straggler(tmp_path, max_staleness=100)
+    workers = [r["worker"] for r in rows]
     assert workers.count(1) >= 3 * workers.count(2)
+    # the slow worker's gradients arrive after the fast one's updates, and are applied all the same
+    assert max(r["staleness"] for r in rows if r["worker"] == 2) >= 1
+    assert sum(r["dropped"] for r in rows) == 0
+
+
+def test_gradients_staler_than_the_bound_are_dropped_and_their_batches_trained_again(tmp_path):
+    """With `max_staleness = 0`, every gradient of the slow worker is stale on arrival: dropped, and its
+    batch handed out again, so the run still makes all its updates, each from a fresh gradient."""
+    rows = _with_a_straggler(tmp_path, max_staleness=0)
+    assert [r["step"] for r in rows] == list(range(30))
+    assert {r["staleness"] for r in rows} == {0}
+    assert sum(r["dropped"] for r in rows) >= 1
+
+
+def _with_a_straggler(tmp_path: Path, max_staleness: int) -> list[dict]:
+    slow = {"straggler_rank": 2, "straggler_delay_s": 0.2}
+    config = _ps(tmp_path, f"straggler{max_staleness}", ps_async=True, max_staleness=max_staleness, **slow)
+    config.train.steps = 30  # the fast worker's 30 updates outlast the slow one's first batch
+    run_ranks(_train, 3, tmp_path, config)
+    return _rows(config)
 
 
 def _kill_rank_while_training(tmp_path: Path, rank: int) -> tuple[int, str, float]:
