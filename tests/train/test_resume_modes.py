@@ -1,9 +1,12 @@
-"""Every sync mode resumes exactly: 2 ranks stopped at step 4 and resumed to 8 equal 8 straight steps.
+"""Every mode resumes exactly: 2 ranks stopped at step 4 and resumed to 8 equal 8 straight steps.
 
 The state these modes keep per rank (replica optimizer moments, DiLoCo's outer momentum, PowerSGD's
-and top-k's error feedback) must come back from the checkpoint; without it the losses after the
-resume drift by 1e-3 or more, so exact equality fails if any of it is lost.
+and top-k's error feedback, the parameter server's slices and optimizer) must come back from the
+checkpoint; without it the losses after the resume drift by 1e-3 or more, so exact equality fails if
+any of it is lost. The straight run's rows are also checked for what each metric means, in every mode.
 """
+
+import math
 
 import pytest
 
@@ -18,13 +21,25 @@ MODES = {
     "ddp": {},
     "zero1": {"parallel": {"zero": 1}},
     "zero3": {"parallel": {"zero": 3}},
+    "zero2": {"parallel": {"zero": 2}},
     "tp": {"parallel": {"tp": 2}},
+    "tp_sp": {"parallel": {"tp": 2, "sequence_parallel": True}},
     "pp": {"parallel": {"pp": 2, "pp_microbatches": 2}},
+    "pp_interleaved": {
+        "parallel": {"pp": 2, "pp_microbatches": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}
+    },
+    "pp_zbv": {"parallel": {"pp": 2, "pp_microbatches": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2}},
     "local_sgd": {"sync": {"mode": "local_sgd", "local_steps": 2}},
     "diloco": {"sync": {"mode": "diloco", "local_steps": 2}},
     "powersgd": {"comm": {"compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 2}},
     "topk": {"comm": {"compression": "topk", "topk_ratio": 0.1}},
+    "fp16_comm": {"comm": {"compression": "fp16"}},
+    "ps_sync": {"sync": {"mode": "parameter_server", "ps_servers": 1}},  # one server, one worker
+    "ps_async": {"sync": {"mode": "parameter_server", "ps_servers": 1, "ps_async": True}},
 }
+LOOPED = {"pp_interleaved", "pp_zbv"}  # two stages per rank: 4 layers
+FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "samples_seen", "comm_bytes",
+          "peak_mem_bytes"}  # fmt: skip
 
 
 def _train(config):
@@ -34,6 +49,8 @@ def _train(config):
 def _config(run_dir, steps, mode):
     sections = {key: dict(value) for key, value in MODES[mode].items()}
     sections.setdefault("train", {})["steps"] = steps
+    if mode in LOOPED:
+        sections["model"] = {"n_layer": 4}
     return tiny_config(run_dir, checkpoint={"every": 4}, **sections)
 
 
@@ -43,7 +60,20 @@ def _max_loss_difference(tmp_path, mode) -> float:
     run_ranks(_train, 2, tmp_path, _config(tmp_path / "resumed", 8, mode))
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(8))
+    _check_metrics(a, mode)
     return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True))
+
+
+def _check_metrics(rows: list[dict], mode: str) -> None:
+    """What every row means, whatever the mode: a finite loss, work done at a plausible rate, the
+    samples of one global batch per step, traffic between the two ranks, memory held."""
+    global_batch = 4 * (1 if {"ps_sync", "ps_async", "tp", "tp_sp"} & {mode} or mode.startswith("pp") else 2)
+    for previous, row in zip([None, *rows], rows, strict=False):
+        assert set(row) >= FIELDS, FIELDS - set(row)
+        assert math.isfinite(row["loss"]) and row["lr"] > 0
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= 1 and row["step_time_s"] > 0
+        assert row["samples_seen"] == (previous["samples_seen"] if previous else 0) + global_batch
+        assert row["comm_bytes"] > 0 and row["peak_mem_bytes"] > 100 * 2**20  # torch alone holds more
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -74,6 +74,7 @@ class Header:
     traffic: float = 0.0  # bytes the sender moved since it last reported them
     compute_s: float = 0.0  # seconds the worker spent on the gradient
     val_loss: float = 0.0
+    peak_mem: float = 0.0  # a pushing worker's peak memory so far, in bytes
     peer: int = 0  # orders: the worker whose message to handle next
 
     def to_tensor(self) -> torch.Tensor:

@@ -11,9 +11,9 @@ from typing import Any
 
 from paralm.config import Config
 from paralm.hardware import device_peak_flops
-from paralm.parallel.ps_protocol import HEADER_BYTES, Endpoint, Kind
+from paralm.parallel.ps_protocol import HEADER_BYTES, Endpoint, Kind, server_device
 from paralm.parallel.runtime import Runtime
-from paralm.train.metrics import Throughput, banner, open_run_log, step_row
+from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
 from paralm.train.optim import learning_rate
 from paralm.train.ps_shard import ServerShard
 
@@ -26,6 +26,8 @@ class ServerLog:
         # MFU over the devices that compute: the workers (the servers only apply updates)
         self.throughput = Throughput(shard.model.flops_per_token(), peak, runtime.world_size - runtime.servers)
         self.pending_traffic = 0.0  # reported by workers, not yet in a row
+        self.worker_peak_mem = 0  # the largest peak a worker reported
+        self.device = server_device(config.sync, runtime.device)
         self.logger = open_run_log(config, shard.version)
         self.logger.message(banner(self._describe(runtime), shard.version, config.train.steps))
         self.last_time = self.start_time = time.perf_counter()
@@ -60,6 +62,8 @@ class ServerLog:
             **self.throughput.row(self.update_batch * self.config.model.block_size, step_time),
             samples_seen=self.shard.samples_seen,
             comm_bytes=traffic,
+            # other servers hold a slice of the same size as this one: the largest peak is a worker's or ours
+            peak_mem_bytes=max(self.worker_peak_mem, peak_memory_bytes(self.device)),
         )
 
     def await_report(self) -> dict[str, float]:

@@ -95,6 +95,7 @@ class Server:
     def _add_traffic(self, head: Header) -> None:
         if self.log:
             self.log.pending_traffic += head.traffic
+            self.log.worker_peak_mem = max(self.log.worker_peak_mem, int(head.peak_mem))
 
     def _answer_pulls(self, status: Status) -> None:
         for worker in self._workers():

@@ -13,6 +13,7 @@ from paralm.data.sampler import BatchLayout
 from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.ps_protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
 from paralm.parallel.runtime import Runtime
+from paralm.train.metrics import peak_memory_bytes
 
 if TYPE_CHECKING:
     from paralm.train.trainer import Trainer
@@ -74,6 +75,7 @@ class Worker:
                 loss=loss,
                 grad_norm=grad_norm,
                 compute_s=seconds,
+                peak_mem=peak_memory_bytes(self.runtime.device),
                 traffic=self._traffic() if server == LEAD else 0,
             )
             self.link.send(server, message, flatten([p.grad for p in shard]))
