@@ -1,10 +1,11 @@
 """Counted bytes equal the analytic volume of each layout, 2 ranks, fp32, the tiny model.
 
-Per step, with B the model's fp32 bytes and the conventions of `paralm.parallel.comm_stats` (summed
-over both ranks, P = 2): an all-reduce of n bytes costs 2n, an all-gather of n bytes per rank 2n, a
-reduce-scatter of n bytes n, a send n. The metrics read-back and the stop-signal agreement happen
-between steps and are not a step's traffic (`other_bytes` in comm.json). The gradient norm of pipeline stages all-reduces one fp32 scalar (8 bytes); over FSDP's DTensor gradients,
-torch's `get_total_norm` reduces each parameter's norm separately (one fp32 scalar per parameter).
+Per step, with B the model's fp32 bytes and the conventions of `paralm.parallel.comm_stats` (summed over
+both ranks, P = 2): an all-reduce of n bytes costs 2n, an all-gather of n bytes per rank 2n, a reduce-
+scatter of n bytes n, a send n. The metrics read-back and the stop-signal agreement happen between steps
+and are not a step's traffic (`other_bytes` in comm.json). The gradient norm of pipeline stages all-
+reduces one fp32 scalar (8 bytes); over FSDP's DTensor gradients, torch's `get_total_norm` reduces each
+parameter's norm separately (one fp32 scalar per parameter).
 """
 
 import pytest

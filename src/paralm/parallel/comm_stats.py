@@ -114,8 +114,10 @@ def _group_of(bound: dict[str, Any]) -> Any:
 
 def wire_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[float, float] | None:
     """(sent, received) by this rank for one dispatched op; None when it is not communication."""
+    if func.namespace not in NAMESPACES:  # higher-order operators have no schema: checked first
+        return None
     name = func._schema.name.split("::")[-1]
-    if func.namespace not in NAMESPACES or name in IGNORED:
+    if name in IGNORED:
         return None
     bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
     if name == "batch_p2p_ops":
@@ -132,6 +134,10 @@ def wire_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[float, float] | No
 
 class _Counter(TorchDispatchMode):
     """Counts each collective op into `target` (the `CommStats` whose wrapper issued it, else the default)."""
+
+    # Higher-order operators (compiled activation checkpointing's `run_and_save_rng_state`, ...) pass
+    # through `__torch_dispatch__` and run whole, uncounted inside: they hold no collectives.
+    supports_higher_order_operators = True
 
     def __init__(self, target: CommStats) -> None:
         super().__init__()
@@ -257,7 +263,6 @@ class CommStats:
         """Gather every rank's totals (collective over all ranks, on this rank's `device`, not counted); the
         rank given `run_dir` writes `comm.json` there and gets a one-line summary. `steps`: the steps this
         process ran."""
-        self.set_aside()
         mine = torch.tensor(
             [self.sent, self.received, self.other_sent, self.other_received], dtype=torch.float64, device=device
         )

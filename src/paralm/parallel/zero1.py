@@ -94,7 +94,6 @@ class ZeroOne(SyncStrategy):
             rows = [_padded_rows(p.grad if p.grad is not None else torch.zeros_like(p), self.ranks) for p in bucket]
             full = torch.cat(rows, dim=1)  # (ranks, bucket's shard numel): row r is rank r's shards
             mine = full.new_empty(full.shape[1])
-            self._count_ring_pass(mine)  # ring reduce-scatter: (ranks - 1) shards sent and received
             dist.reduce_scatter_single(mine, full.view(-1), group=self.mesh.get_group())
             if self.replicas > 1:
                 self.stats.all_reduce(mine, self.replicate_group)
@@ -118,7 +117,6 @@ class ZeroOne(SyncStrategy):
             shards = [_padded_rows(self.shard_of[p].to_local(), 1, _rows_per_rank(p, self.ranks)) for p in bucket]
             mine = torch.cat(shards, dim=1)
             gathered = mine.new_empty(self.ranks, mine.shape[1])
-            self._count_ring_pass(mine)  # ring all-gather: (ranks - 1) shards sent and received
             dist.all_gather_single(gathered.view(-1), mine.view(-1), group=self.mesh.get_group())
             offset = 0
             for p in bucket:
@@ -132,10 +130,6 @@ class ZeroOne(SyncStrategy):
         norm = torch.nn.utils.get_total_norm(grads).full_tensor()
         torch.nn.utils.clip_grads_with_norm_(list(self.shard_of.values()), max_norm, norm)
         return norm
-
-    def _count_ring_pass(self, shard: torch.Tensor) -> None:
-        size = (self.ranks - 1) * shard.numel() * shard.element_size()
-        self.stats.count(size, size)
 
 
 class ZeroOneState(TrainingState):

@@ -45,7 +45,8 @@ class Worker:
         reply = self.pull()
         while True:
             if reply.status.evaluates:
-                self.report(self.trainer.evaluate())
+                unreported = self._traffic()  # with the servers, before the evaluation's collectives
+                self.report(self.trainer.evaluate(), unreported)
             if reply.status.stops:
                 return
             self.push(*self.compute(reply.version, reply.start), reply)
@@ -94,9 +95,11 @@ class Worker:
                 p.copy_(value)
         return answers[LEAD]
 
-    def report(self, val_loss: float) -> None:
+    def report(self, val_loss: float, unreported: int) -> None:
         """After an evaluation (collective over the workers) the first worker sends the loss to the lead
-        server, with all workers' traffic not yet reported."""
-        traffic = self.runtime.host_all_reduce(torch.tensor([float(self._traffic())], dtype=torch.float64))
+        server, with all workers' traffic with the servers not yet reported. The evaluation's and this
+        sum's collectives are between workers, not an update's: counted apart (`other_bytes`)."""
+        traffic = self.runtime.host_all_reduce(torch.tensor([float(unreported)], dtype=torch.float64))
+        self.runtime.comm.set_aside()
         if self.first:
             self.link.send(LEAD, Header(kind=Kind.REPORT, val_loss=val_loss, traffic=traffic.item()))

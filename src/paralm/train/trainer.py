@@ -153,6 +153,7 @@ class Trainer:
             if save:
                 self.save()
         run_dir = self.run_dir if self.logger else None
+        self.runtime.comm.set_aside()  # the last evaluation and checkpoint
         comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir, self.device)
         if self.logger:
             self.logger.message(comm)
