@@ -19,7 +19,7 @@ MODES = {
     "zero3": ["--parallel.zero=3"],
     "pp": ["--parallel.pp=2", "--parallel.pp_microbatches=2", "--train.grad_accum=1"],
 }
-RUNS_PER_MODE = 3  # 9 jobs in all; every other multi-rank test is a clean-exit check too
+RUNS_PER_MODE = 2  # 6 jobs in all; every other multi-rank test is a clean-exit check too
 
 
 @pytest.mark.slow
