@@ -149,6 +149,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
     if layout.zero >= 2 and layout.dp_shard > 1:
         states = _fsdp_states(states, params, layout, work)
+    elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.parallel.zero1 keeps the averaged gradient shard
+        states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
@@ -202,13 +204,17 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
       plus one block's unsharded gradients before their reduce-scatter;
     - otherwise, under mixed precision with fp32 parameters, autocast's cache of 16-bit weights (one
       copy of the rank's parameters, alive through the forward).
+    - ZeRO-1 (paralm.parallel.zero1): the whole local gradients during backward, until their
+      reduce-scatter leaves the rank its shard (counted in the model states);
     DDP's buckets are views of the gradients (paralm sets `gradient_as_bucket_view`), so cost nothing
     extra; NCCL's own buffers are part of the runtime allowance."""
     e, layer = work.element_bytes, work.shape.layer_params / layout.tp
     if layout.zero >= 3:
         gathered = params if layout.pp > 1 else 2 * layer
         return gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]
-    return params * e if e < 4 and STATE_RECIPES[work.recipe][0] == 4 else 0.0
+    param_bytes, grad_bytes, _ = STATE_RECIPES[work.recipe] if e < 4 else (4, 4, 0)
+    full_gradients = params * grad_bytes * (1 - 1 / layout.dp_shard) if layout.zero == 1 else 0.0
+    return full_gradients + (params * e if e < 4 and param_bytes == 4 else 0.0)
 
 
 def device_memory(layout: Layout, work: Workload, cluster: Cluster) -> Memory:
