@@ -37,10 +37,15 @@ class ModelStates:
     optim_bytes: float
 
 
+def state_bytes(element_bytes: int, recipe: str) -> tuple[int, int, int]:
+    """Bytes per parameter (parameters, gradients, fp32 master copy) under `recipe` at this compute width."""
+    return STATE_RECIPES[recipe] if element_bytes < 4 else (4, 4, 0)
+
+
 @functools.cache  # pure, and asked again for every micro-batch size and checkpointing choice of a layout
 def model_states(params: float, dtype: str, recipe: str, optimizer_slots: int, zero: int, shards: int) -> ModelStates:
     """Parameter, gradient and optimizer bytes on one device holding a 1/`shards` ZeRO shard."""
-    param, grad, master = STATE_RECIPES[recipe] if DTYPE_BYTES[dtype] < 4 else (4, 4, 0)
+    param, grad, master = state_bytes(DTYPE_BYTES[dtype], recipe)
     optim = master + 4 * optimizer_slots
     held = per_rank({"params": params * param, "grads": params * grad, "optim": params * optim}, zero, shards)
     return ModelStates(param_bytes=held["params"], grad_bytes=held["grads"], optim_bytes=held["optim"])
@@ -212,7 +217,7 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     if layout.zero >= 3:
         gathered = params if layout.pp > 1 else 2 * layer
         return gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]
-    param_bytes, grad_bytes, _ = STATE_RECIPES[work.recipe] if e < 4 else (4, 4, 0)
+    param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
     full_gradients = params * grad_bytes * (1 - 1 / layout.dp_shard) if layout.zero == 1 else 0.0
     return full_gradients + (params * e if e < 4 and param_bytes == 4 else 0.0)
 
