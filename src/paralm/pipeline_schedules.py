@@ -34,11 +34,6 @@ class PipelineSchedule:
             return max(1, microbatches // pp)
         return None
 
-    def accepts(self, pp: int, stages: int, microbatches: int) -> bool:
-        """Whether torch runs this many micro-batches per pipeline step."""
-        rounds = self.microbatch_rounds(pp, microbatches)
-        return microbatches >= self.fewest_microbatches(pp, stages) and not (rounds and microbatches % rounds)
-
 
 PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {
     s.name: s

@@ -127,6 +127,13 @@ def num_stages(config: Config) -> int:
 
 def check_model_parallel(config: Config) -> None:
     """Raise a `UserError` naming the field and the fix for the first setting that cannot run."""
+    check_model_parallel_layout(config)
+    if config.parallel.pp > 1:
+        check_microbatches(config)
+
+
+def check_model_parallel_layout(config: Config) -> None:
+    """The tensor- and pipeline-parallel rules other than the count of pipeline micro-batches."""
     p, m = config.parallel, config.model
     for name in ("tp", "pp", "pp_virtual_stages"):
         if getattr(p, name) < 1:
@@ -162,7 +169,6 @@ def check_model_parallel(config: Config) -> None:
         )
     if p.pp_split:
         check_split(p.pp_split, m.n_layer, stages)
-    _check_microbatches(config, stages)
 
 
 def _check_tensor_parallel(config: Config) -> None:
@@ -185,8 +191,9 @@ def _check_tensor_parallel(config: Config) -> None:
         )
 
 
-def _check_microbatches(config: Config, stages: int) -> None:
-    p, batch = config.parallel, config.train.micro_batch_size
+def check_microbatches(config: Config) -> None:
+    """The pipeline micro-batches: they split the micro-batch, and the schedule runs that many."""
+    p, batch, stages = config.parallel, config.train.micro_batch_size, num_stages(config)
     n = pipeline_microbatches(config)
     if batch % n:
         raise UserError(
@@ -233,6 +240,32 @@ def check_sharding(config: Config) -> None:
         )
     if config.train.ac_every < 1:
         raise UserError(f"train.ac_every = {config.train.ac_every} must be at least 1 (1 checkpoints every block)")
+
+
+def layout_problem(config: Config, world_size: int, servers: int = 0) -> str | None:
+    """Why the layout of `config` cannot run on `world_size` ranks, or None: every layout rule but the
+    count of pipeline micro-batches (`microbatch_problem`). The planner proposes only layouts these accept."""
+    return _problem(
+        lambda: (
+            validate_sync(config),
+            check_model_parallel_layout(config),
+            check_sharding(config),
+            resolve_data_parallel(config.parallel, world_size, servers),
+        )
+    )
+
+
+def microbatch_problem(config: Config) -> str | None:
+    """Why the schedule of `config` cannot run its count of pipeline micro-batches, or None."""
+    return _problem(lambda: check_microbatches(config)) if config.parallel.pp > 1 else None
+
+
+def _problem(check: Callable[[], object]) -> str | None:
+    try:
+        check()
+    except UserError as error:
+        return str(error)
+    return None
 
 
 def check_sharded_layout(parallel: ParallelConfig, dp: int) -> None:

@@ -54,3 +54,11 @@ def test_toml_round_trip(tmp_path) -> None:
 def test_with_devices_keeps_the_hardware() -> None:
     small = PRESETS["h100"].with_devices(2)
     assert dataclasses.replace(small, nodes=1, devices_per_node=8) == PRESETS["h100"]
+
+
+@pytest.mark.parametrize("preset,bound", [("a100-80gb", 267.9 / 312), ("h100", 792.1 / 989)])
+def test_gemm_curves_stay_under_the_published_best_matmul(preset: str, bound: float) -> None:
+    """No size runs faster than the best bf16 matmul a shape search found (Bekman's MAMF table), and
+    bigger matrices never run less efficiently."""
+    efficiencies = [fraction for _, fraction in PRESETS[preset].gemm_efficiency]
+    assert efficiencies == sorted(efficiencies) and efficiencies[-1] < bound

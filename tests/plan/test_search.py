@@ -1,12 +1,15 @@
+import dataclasses
+
 import pytest
 
-from paralm.config import load_config
+from paralm.config import load_config, validate
 from paralm.errors import UserError
 from paralm.parallel.dims import ParallelDims
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
 from paralm.plan.request import load_request
 from paralm.plan.search import evaluate, search
+from paralm.rules import microbatch_problem, resolve_data_parallel
 from tests.plan.helpers import MODEL_7B
 
 
@@ -79,6 +82,44 @@ def test_every_layout_is_a_config_paralm_accepts(tmp_path) -> None:
     lay = plans[0].layout
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp)
     assert written.train.micro_batch_size * written.train.grad_accum * dims.dp == 128
+
+
+def test_every_plan_passes_paralms_rules() -> None:
+    """The search has no rules of its own: every layout it proposes passes `paralm.rules` whole."""
+    config, plans = _search([*MODEL_7B, "--train.global_batch_size=128"])
+    assert {p.layout.pp for p in plans} > {1} and {p.layout.tp for p in plans} > {1}
+    for plan in plans:
+        candidate = plan.layout.apply_to(config)
+        validate(candidate)
+        resolve_data_parallel(candidate.parallel, 64)
+
+
+def test_pipeline_micro_batch_counts_are_exactly_those_the_rules_accept() -> None:
+    fixed = ["--parallel.pp=4", "--parallel.pp_schedule=1f1b", "--parallel.tp=1", "--parallel.zero=0"]
+    config, plans = _search(["--model.n_layer=8", "--train.global_batch_size=64", *fixed], cluster="h200:16")
+    proposed = {p.layout.pp_microbatches for p in plans}
+    accepted = {
+        n
+        for n in range(1, 17)
+        if 16 % n == 0
+        and not microbatch_problem(
+            dataclasses.replace(plans[0].layout, pp_microbatches=n, micro_batch_size=16).apply_to(config)
+        )
+    }
+    assert proposed == accepted == {4, 8, 16}  # 1F1B: one micro-batch per rank at least
+
+
+@pytest.mark.parametrize(
+    "overrides,refused",
+    [
+        (["--precision.dtype=fp16"], lambda lay: lay.pp > 1),  # no loss scaling in the pipeline schedules
+        (["--precision.reduce_dtype=bf16"], lambda lay: lay.zero < 2),  # only FSDP reduces in another dtype
+        (["--model.vocab_size=51203"], lambda lay: lay.tp > 1),  # 51203 is prime: no vocabulary shards
+    ],
+)
+def test_what_the_rules_refuse_is_never_proposed(overrides: list[str], refused) -> None:
+    _, plans = _search([*MODEL_7B, *overrides])
+    assert plans and not any(refused(p.layout) for p in plans)
 
 
 @pytest.mark.parametrize(

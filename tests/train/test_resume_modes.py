@@ -1,4 +1,4 @@
-"""Every mode resumes exactly: 2 ranks stopped at step 4 and resumed to 8 equal 8 straight steps.
+"""Every mode resumes exactly: 2 ranks (HSDP: 4) stopped at step 4 and resumed to 8 equal 8 straight steps.
 
 The state these modes keep per rank (replica optimizer moments, DiLoCo's outer momentum, PowerSGD's
 and top-k's error feedback, the parameter server's slices and optimizer) must come back from the
@@ -24,11 +24,13 @@ MODES = {
     "zero2": {"parallel": {"zero": 2}},
     "tp": {"parallel": {"tp": 2}},
     "tp_sp": {"parallel": {"tp": 2, "sequence_parallel": True}},
-    "pp": {"parallel": {"pp": 2, "pp_microbatches": 2}},
-    "pp_interleaved": {
-        "parallel": {"pp": 2, "pp_microbatches": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}
+    "hsdp": {"parallel": {"zero": 3, "dp_replicate": 2, "dp_shard": 2}},  # 4 ranks
+    "pp": {"parallel": {"pp": 2, "pp_microbatches": 2}},  # 1F1B
+    "pp_gpipe": {"parallel": {"pp": 2, "pp_microbatches": 2, "pp_schedule": "gpipe"}},
+    **{
+        f"pp_{schedule}": {"parallel": {"pp": 2, "pp_microbatches": 4, "pp_schedule": schedule, "pp_virtual_stages": 2}}
+        for schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
     },
-    "pp_zbv": {"parallel": {"pp": 2, "pp_microbatches": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2}},
     "local_sgd": {"sync": {"mode": "local_sgd", "local_steps": 2}},
     "diloco": {"sync": {"mode": "diloco", "local_steps": 2}},
     "powersgd": {"comm": {"compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 2}},
@@ -37,7 +39,7 @@ MODES = {
     "ps_sync": {"sync": {"mode": "parameter_server", "ps_servers": 1}},  # one server, one worker
     "ps_async": {"sync": {"mode": "parameter_server", "ps_servers": 1, "ps_async": True}},
 }
-LOOPED = {"pp_interleaved", "pp_zbv"}  # two stages per rank: 4 layers
+RANKS = {"hsdp": 4}  # 2 otherwise
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "samples_seen", "comm_bytes",
           "peak_mem_bytes"}  # fmt: skip
 
@@ -49,15 +51,16 @@ def _train(config):
 def _config(run_dir, steps, mode):
     sections = {key: dict(value) for key, value in MODES[mode].items()}
     sections.setdefault("train", {})["steps"] = steps
-    if mode in LOOPED:
-        sections["model"] = {"n_layer": 4}
+    if MODES[mode].get("parallel", {}).get("pp_virtual_stages"):
+        sections["model"] = {"n_layer": 4}  # two stages per rank
     return tiny_config(run_dir, checkpoint={"every": 4}, **sections)
 
 
 def _max_loss_difference(tmp_path, mode) -> float:
-    run_ranks(_train, 2, tmp_path, _config(tmp_path / "straight", 8, mode))
-    run_ranks(_train, 2, tmp_path, _config(tmp_path / "resumed", 4, mode))
-    run_ranks(_train, 2, tmp_path, _config(tmp_path / "resumed", 8, mode))
+    ranks = RANKS.get(mode, 2)
+    run_ranks(_train, ranks, tmp_path, _config(tmp_path / "straight", 8, mode))
+    run_ranks(_train, ranks, tmp_path, _config(tmp_path / "resumed", 4, mode))
+    run_ranks(_train, ranks, tmp_path, _config(tmp_path / "resumed", 8, mode))
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(8))
     _check_metrics(a, mode)
@@ -68,7 +71,7 @@ def _check_metrics(rows: list[dict], mode: str) -> None:
     """What every row means, whatever the mode: a finite loss, work done at a plausible rate, the
     samples of one global batch per step, traffic between the two ranks, memory held."""
     one_replica = mode in {"ps_sync", "ps_async", "tp", "tp_sp"} or mode.startswith("pp")  # dp = 1
-    global_batch = 4 * (1 if one_replica else 2)
+    global_batch = 4 * (1 if one_replica else RANKS.get(mode, 2))
     for previous, row in zip([None, *rows], rows, strict=False):
         assert set(row) >= FIELDS, FIELDS - set(row)
         assert math.isfinite(row["loss"]) and row["lr"] > 0

@@ -140,10 +140,15 @@ def _dgx(
 
 
 # Dense 16-bit matmul efficiency by size, (geometric-mean dimension, fraction of the datasheet peak).
-# ASSUMED, not yet taken from a published table: the shape of cuBLAS curves (NVIDIA, Matrix
-# Multiplication Background User's Guide, 2023: throughput rises with size until the GPU's waves of
-# 128 x 256 tiles are full), with the large-size plateau at what cuBLAS reaches on square bf16
-# GEMMs (A100 about 85% of 312 TFLOP/s, H100 SXM about 75% of 989). Replace with `paralm calibrate`.
+# Published bound: the best bf16 matmul found by a brute-force search over shapes ("maximum achievable
+# matmul FLOPS", S. Bekman, Machine Learning Engineering, compute/accelerator, measured with CUDA 12.1)
+# is 267.9 of 312 TFLOP/s on an A100 SXM (85.9%) and 792.1 of 989 on an H100 SXM (80.1%). A model's
+# shapes are not the best one, so the curves level off below it: at 75% (A100) and 76% (H100), the
+# level at which the A100 preset reproduces published Megatron runs within 15%
+# (tests/plan/test_published.py). Below the plateau the curves follow the shape of cuBLAS's (NVIDIA,
+# Matrix Multiplication Background User's Guide, 2023: throughput rises with size until the waves of
+# 128 x 256 output tiles fill the GPU's 108 / 132 SMs); those points are a stated assumption, not a
+# measurement. `paralm calibrate` measures the curve of the device it runs on.
 A100_GEMM = ((128, 0.07), (256, 0.26), (512, 0.48), (1024, 0.63), (2048, 0.7), (4096, 0.75))
 H100_GEMM = ((128, 0.03), (256, 0.12), (512, 0.33), (1024, 0.55), (2048, 0.68), (4096, 0.74), (8192, 0.76))
 

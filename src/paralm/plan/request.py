@@ -42,7 +42,6 @@ _NEUTRAL = {
     "parallel.dp": -1,
     "parallel.dp_replicate": 1,
     "parallel.dp_shard": -1,
-    "parallel.zero": 0,
     "parallel.cpu_offload": False,
     "parallel.tp": 1,
     "parallel.sequence_parallel": False,
@@ -77,13 +76,27 @@ def given_fields(overrides: list[str]) -> set[str]:
 def load_request(path: str | Path | None, overrides: list[str]) -> tuple[Config, dict[str, Any]]:
     """The config and its fixed layout fields, checked by paralm's rules for everything but what is searched."""
     given = given_fields(overrides) & set(LAYOUT_FIELDS)
-    checked = load_config(path, [*overrides, *_neutral_overrides(overrides, given)])
+    checked = _load_checked(path, [*overrides, *_neutral_overrides(overrides, given)], given)
     file_config = Config.from_dict(read_toml(path) if path else {}, source=str(path or "defaults"))
     config = with_fields(checked, {key: get(file_config, key) for key in LAYOUT_FIELDS if key not in given})
     fixed = {key: get(config, key) for key in given}
     if fixed.get("parallel.cpu_offload"):
         raise UserError("parallel.cpu_offload is not modelled by the planner: leave it off")
     return config, fixed
+
+
+def _load_checked(path: str | Path | None, overrides: list[str], given: set[str]) -> Config:
+    """`load_config` with the searched ZeRO stage at the first of 0, 2, 3 the rules accept with the fixed
+    fields (a reduce dtype other than fp32 needs FSDP; whole-model sync modes need 0); else the first refusal."""
+    if "parallel.zero" in given:
+        return load_config(path, overrides)
+    refusal = None
+    for zero in (0, 2, 3):
+        try:
+            return load_config(path, [*overrides, f"--parallel.zero={zero}"])
+        except UserError as error:
+            refusal = refusal or error
+    raise refusal
 
 
 def _neutral_overrides(overrides: list[str], given: set[str]) -> list[str]:

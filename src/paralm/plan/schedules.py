@@ -1,5 +1,6 @@
-"""Pipeline schedules as the cost model sees them: which micro-batch counts they accept, how many
-micro-batches' activations a rank keeps in flight, and how long the pipeline bubble lasts.
+"""Pipeline schedules as the cost model sees them: how many model chunks per rank to try, how many
+micro-batches' activations a rank keeps in flight, and how long the pipeline bubble lasts. Which
+combinations run is for `paralm.rules` to say.
 
 Times are per micro-batch and per pipeline rank (all of that rank's layers): F forward, B full
 backward (input and weight gradients, plus any recompute), W the weight-gradient part of B, which
@@ -10,20 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paralm.pipeline_schedules import PIPELINE_SCHEDULES
-
 
 @dataclass(frozen=True)
 class Schedule:
     name: str
-    chunks: tuple[int, ...]  # model chunks per rank it supports (1: one stage per rank)
+    chunks: tuple[int, ...]  # model chunks per rank the search tries (1: one stage per rank)
     v_shape: bool = False  # chunk i and 2p-1-i on one rank: the first rank also holds the LM head
     holds_all: bool = False  # runs every forward before any backward (GPipe, breadth-first)
-
-    def accepts(self, p: int, m: int) -> bool:
-        """The micro-batch counts torch.distributed.pipelining accepts: paralm's own rule
-        (`paralm.pipeline_schedules`), with the fewest chunks per rank the schedule runs."""
-        return PIPELINE_SCHEDULES[self.name].accepts(p, p * self.chunks[0], m)
 
     def in_flight(self, p: int, m: int, v: int, rank: int) -> float:
         """Micro-batches of this rank's activations alive at its peak (in whole-rank units)."""

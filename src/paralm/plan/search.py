@@ -30,6 +30,7 @@ from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
 from paralm.plan.timing import StepTime, step_time
+from paralm.rules import layout_problem, microbatch_problem
 
 AC_BY_COST = ("none", "selective", "full")
 
@@ -88,7 +89,6 @@ def search(
         raise UserError(f"sync.ps_servers = {ps_servers} leaves no workers among the {cluster.devices} devices")
     batch = global_batch_size or global_batch(config, workers, fixed)
     work = Workload.from_config(config, batch, recipe)
-    _check_fixed(fixed, workers)
     rejected: Counter[str] = Counter()
     plans, smallest, seen = [], float("inf"), 0
     groups = _layout_groups(config, fixed, workers, cluster.devices_per_node, batch, ps_servers, rejected)
@@ -149,15 +149,6 @@ def _servers_fit(layout: Layout, work: Workload, cluster: Cluster) -> bool:
     return work.shape.params * per_param / layout.ps_servers + cluster.runtime_bytes <= cluster.memory_bytes
 
 
-def _check_fixed(fixed: dict[str, Any], workers: int) -> None:
-    """What `load_request` could not check: the fixed degrees against the cluster. (It has checked them
-    against the model: heads and vocabulary divisible by tp, layers by pp, schedule rules, sync modes.)"""
-    for name in ("parallel.tp", "parallel.pp", "parallel.dp"):
-        value = fixed.get(name)
-        if value is not None and value > 0 and workers % value:
-            raise UserError(f"{name} = {value} does not divide the {workers} devices of the cluster")
-
-
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
@@ -180,38 +171,19 @@ def _layout_groups(
     data-parallel rank, the micro-batch sizes to try, smallest first, and checkpointing choices,
     cheapest first), one per pipeline micro-batch count.
 
-    Only layouts paralm can train (`paralm.rules`): whole heads and
-    vocabulary shards per tp rank, ZeRO-1 (shards of plain parameters) without tp or pp, ZeRO-2/3 for a
-    reduce dtype other than fp32, no pipeline under fp16 (no loss scaling there), and whole models per
-    replica under a parameter server, local SGD, DiLoCo or gradient compression. Tensor parallelism is
+    Only layouts paralm can train: each candidate is put to `paralm.rules`, and the reason a rule
+    gives for refusing it is counted in `rejected`, to explain an empty search. Tensor parallelism is
     searched within a node (Narayanan et al. 2021: across nodes it is bandwidth-bound); a fixed tp may
-    span nodes. What rules candidates out is counted in `rejected`, to explain an empty search.
+    span nodes.
     """
-    m = config.model
-    whole_models = config.sync.mode != "allreduce" or config.comm.compression != "none"
-    lowest_zero = 2 if config.precision.reduce_dtype != "fp32" else 0  # only FSDP reduces in another dtype
-    tps = [t for t in _divisors(workers) if m.n_head % t == 0 and m.vocab_size % t == 0 and t <= per_node]
-    for tp in _choices(fixed, "parallel.tp", [1] if whole_models else tps):
-        pps = [p for p in _divisors(workers // tp) if p <= m.n_layer and (p == 1 or config.precision.dtype != "fp16")]
-        for pp in _choices(fixed, "parallel.pp", [1] if whole_models else pps):
-            if workers % (tp * pp):
-                rejected[f"tp x pp = {tp * pp} does not divide the {workers} devices"] += 1
-                continue
-            dp = workers // (tp * pp)
+    for tp in _choices(fixed, "parallel.tp", [t for t in _divisors(workers) if t <= per_node]):
+        for pp in _choices(fixed, "parallel.pp", _divisors(max(1, workers // tp))):
+            dp = max(1, workers // (tp * pp))
             if fixed.get("parallel.dp", -1) not in (-1, dp):
                 rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x pp {pp}"] += 1
                 continue
-            if batch % dp:
-                rejected[f"the global batch {batch} is not a multiple of dp = {dp} (tp {tp}, pp {pp})"] += 1
-                continue
-            for zero, replicate, shard in _shardings(fixed, dp, whole_models, config):
-                if zero < lowest_zero or (zero == 1 and tp * pp > 1):
-                    rejected[f"ZeRO-{zero} cannot run with tp {tp}, pp {pp} and this reduce dtype"] += 1
-                    continue
-                for sp in _choices(fixed, "parallel.sequence_parallel", [True]) if tp > 1 else [False]:
-                    if sp and m.block_size % tp:
-                        rejected[f"model.block_size is not divisible by tp = {tp} (sequence parallelism)"] += 1
-                        continue
+            for zero, replicate, shard in _shardings(fixed, dp, config):
+                for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
                     for schedule, v in _schedules(config, fixed, pp):
                         base = Layout(
                             dp_replicate=replicate,
@@ -230,11 +202,17 @@ def _layout_groups(
                             pp_split=tuple(fixed.get("parallel.pp_split", ())),
                             ps_servers=ps_servers,
                         )
-                        yield from _micro_batch_groups(base, fixed, batch // dp, rejected)
+                        problem = layout_problem(base.apply_to(config), workers + ps_servers, ps_servers)
+                        if problem:
+                            rejected[problem] += 1
+                        elif batch % dp:
+                            rejected[f"the global batch {batch} is not a multiple of dp = {dp} (tp {tp}, pp {pp})"] += 1
+                        else:
+                            yield from _micro_batch_groups(config, base, fixed, batch // dp, rejected)
 
 
 def _micro_batch_groups(
-    base: Layout, fixed: dict[str, Any], per_replica: int, rejected: Counter[str]
+    config: Config, base: Layout, fixed: dict[str, Any], per_replica: int, rejected: Counter[str]
 ) -> Iterator[tuple[Layout, int, list[int], list[str]]]:
     """Per pipeline micro-batch count: the micro-batch sizes (with accumulation, `per_replica` sequences
     per data-parallel rank) that are multiples of it, and the checkpointing choices."""
@@ -248,31 +226,36 @@ def _micro_batch_groups(
         rejected[f"{per_replica} sequences per data-parallel rank do not split into the fixed micro-batches"] += 1
         return
     acs = _choices(fixed, "train.activation_checkpointing", list(AC_BY_COST))
-    for microbatches in _pipeline_counts(base, fixed, sizes, rejected):
+    for microbatches in _pipeline_counts(config, base, fixed, sizes, rejected):
         multiples = [size for size in sizes if size % microbatches == 0]
         yield dataclasses.replace(base, pp_microbatches=microbatches), per_replica, multiples, acs
 
 
-def _pipeline_counts(base: Layout, fixed: dict[str, Any], sizes: list[int], rejected: Counter[str]) -> list[int]:
-    """The pipeline micro-batch counts the schedule accepts and some micro-batch size is a multiple of."""
+def _pipeline_counts(
+    config: Config, base: Layout, fixed: dict[str, Any], sizes: list[int], rejected: Counter[str]
+) -> list[int]:
+    """The pipeline micro-batch counts the schedule runs (`paralm.rules`) and some micro-batch size is a
+    multiple of."""
     if base.pp == 1:
         return [1]
     given = fixed.get("parallel.pp_microbatches")
     options = [given or base.pp] if given is not None else _divisors(max(sizes))
-    counts = [n for n in options if any(s % n == 0 for s in sizes) and base.schedule.accepts(base.pp, n)]
-    if not counts:
-        rejected[
-            f"{base.pp_schedule} on pp = {base.pp} accepts none of the micro-batch counts that divide a "
-            f"micro-batch of at most {max(sizes)} sequences"
-        ] += 1
+    counts = []
+    for n in options:
+        if not any(s % n == 0 for s in sizes):
+            rejected[f"no micro-batch of at most {max(sizes)} sequences splits into {n} pipeline micro-batches"] += 1
+            continue
+        candidate = dataclasses.replace(base, pp_microbatches=n, micro_batch_size=n)
+        problem = microbatch_problem(candidate.apply_to(config))
+        if problem:
+            rejected[problem] += 1
+        else:
+            counts.append(n)
     return counts
 
 
-def _shardings(fixed: dict[str, Any], dp: int, whole_models: bool, config: Config) -> Iterator[tuple[int, int, int]]:
+def _shardings(fixed: dict[str, Any], dp: int, config: Config) -> Iterator[tuple[int, int, int]]:
     """(zero, dp_replicate, dp_shard) choices for `dp` data-parallel ranks."""
-    if whole_models:
-        yield 0, 1, dp
-        return
     hybrid_given = "parallel.dp_replicate" in fixed or "parallel.dp_shard" in fixed
     for zero in _choices(fixed, "parallel.zero", [0, 1, 2, 3] if dp > 1 else [0]):
         if hybrid_given:  # resolved as paralm.parallel.dims does: -1 takes the remainder
@@ -288,16 +271,11 @@ def _shardings(fixed: dict[str, Any], dp: int, whole_models: bool, config: Confi
 
 
 def _schedules(config: Config, fixed: dict[str, Any], pp: int) -> Iterator[tuple[str, int]]:
-    """(schedule, virtual stages) for `pp` ranks."""
+    """(schedule, model chunks per rank) for `pp` ranks: the chunk counts worth trying for each schedule
+    (which of them run is for the rules to say)."""
     if pp == 1:
         yield config.parallel.pp_schedule, 1
         return
-    split = fixed.get("parallel.pp_split")
     for name in _choices(fixed, "parallel.pp_schedule", list(SCHEDULES)):
-        schedule = SCHEDULES[name]
-        for v in _choices(fixed, "parallel.pp_virtual_stages", list(schedule.chunks)):
-            if pp * v > config.model.n_layer or (split and len(split) != pp * v):
-                continue
-            if (v == 1) != (schedule.chunks == (1,)) or (schedule.v_shape and v != 2):
-                continue  # the schedule cannot run with this many chunks per rank
+        for v in _choices(fixed, "parallel.pp_virtual_stages", list(SCHEDULES[name].chunks)):
             yield name, v
