@@ -1,33 +1,41 @@
-"""Step-time cost of checkpointing every N steps: none vs synchronous vs asynchronous (DCP async_save).
+"""What checkpointing every N steps costs the training loop: none vs synchronous vs asynchronous (DCP async_save).
 
-Each mode is one fresh `paralm train` run of the same model and steps; the wall time of the whole run
-(startup and the final checkpoint are the same in every mode) gives the time each mode adds per step
-and per checkpoint. CPU timings on a shared machine vary: read the table for its shape, and run it on
-an idle machine (or a GPU) for numbers to quote.
+    python benchmarks/checkpoint_overhead.py [--steps 40] [--every 10] [--nproc 2] [--rounds 3]
 
-    python benchmarks/checkpoint_overhead.py --steps 40 --every 10 --nproc 2
+Each mode is a fresh `paralm train` run of the same model and steps; rounds alternate the modes, so a
+change of load hits all of them. Two costs are read from each run: the time the loop waited at each
+save (the trainer logs it: the whole write when synchronous, the copy to memory when asynchronous) and
+the median step time (an asynchronous write runs beside the next steps and can slow them). Their sum
+per step is the overhead; the table shows medians over rounds. Process start-up, which varies by
+seconds on a shared machine, is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
 
 from common import print_table
 
 MODES = {"none": ["--checkpoint.every=0"], "sync": [], "async": ["--checkpoint.async_save=true"]}
+WAITED = re.compile(r"training waited ([\d.]+) s")
 
 
-def run_seconds(args: list[str], nproc: int) -> float:
+def run(args: list[str], nproc: int) -> tuple[float, list[float]]:
+    """(median step seconds after the first, seconds waited at each save) of one run."""
     with tempfile.TemporaryDirectory() as run_dir:
         command = [sys.executable, "-m", "paralm", "train", *args, f"--run.dir={run_dir}", f"--nproc={nproc}"]
-        started = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ.copy())
-        return time.perf_counter() - started
+        result = subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ.copy())
+        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    waits = [float(m.group(1)) for m in WAITED.finditer(result.stdout + result.stderr)]
+    return statistics.median(row["step_time_s"] for row in rows[1:]), waits[:-1]  # every mode saves the last step
 
 
 def main() -> None:
@@ -35,36 +43,43 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps (sync and async)")
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
     args = parser.parse_args()
-    model = [f"--model.d_model={args.d_model}", f"--model.n_layer={args.n_layer}", "--model.n_head=4"]
     common = [
-        *model,
+        f"--model.d_model={args.d_model}",
+        f"--model.n_layer={args.n_layer}",
+        "--model.n_head=4",
         f"--train.steps={args.steps}",
         f"--checkpoint.every={args.every}",
         "--train.eval_every=0",
         "--train.eval_samples=8",
         "--log.tensorboard=false",
+        "--log.progress=false",
     ]
-    seconds = {}
-    for mode, extra in MODES.items():
-        seconds[mode] = run_seconds(common + extra, args.nproc)
-        print(f"  {mode}: {seconds[mode]:.1f} s", file=sys.stderr, flush=True)
-    saves = args.steps // args.every
+    step_s: dict[str, list[float]] = {mode: [] for mode in MODES}
+    waited_s: dict[str, list[float]] = {mode: [] for mode in MODES}
+    saves: dict[str, int] = {}  # periodic saves before the last step's
+    for round_ in range(args.rounds):
+        for mode, extra in MODES.items():
+            step, waits = run(common + extra, args.nproc)
+            step_s[mode].append(step)
+            waited_s[mode].append(sum(waits))
+            saves[mode] = len(waits)
+            print(f"round {round_}: {mode}: step {step * 1e3:.0f} ms, waited {waits} s", file=sys.stderr, flush=True)
+    base = statistics.median(step_s["none"])
     rows = []
-    for mode, total in seconds.items():
-        extra = total - seconds["none"]
-        per_save = f"{extra / saves * 1e3:.0f}" if mode != "none" else "-"
-        rows.append(
-            [mode, f"{total:.1f}", f"{total / args.steps * 1e3:.0f}", f"{extra / args.steps * 1e3:+.0f}", per_save]
-        )
-    load = os.getloadavg()[0]
+    for mode in MODES:
+        step, waited = statistics.median(step_s[mode]), statistics.median(waited_s[mode])
+        overhead = step - base + waited / args.steps
+        per_save = f"{waited / saves[mode] * 1e3:.0f}" if saves[mode] else "-"
+        rows.append([mode, f"{step * 1e3:.0f}", per_save, f"{overhead * 1e3:+.0f}", f"{overhead / base:+.1%}"])
     print(
-        f"{args.steps} steps, a checkpoint every {args.every} ({saves} saves), {args.nproc} rank(s), "
-        f"d_model {args.d_model} x {args.n_layer} layers; load average {load:.1f} on {os.cpu_count()} cores"
+        f"{args.steps} steps, a checkpoint every {args.every}, {args.nproc} rank(s), d_model {args.d_model} x "
+        f"{args.n_layer} layers, {args.rounds} rounds; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    print_table(["mode", "wall s", "ms/step", "overhead ms/step", "ms/checkpoint"], rows)
+    print_table(["mode", "median step ms", "waited ms/save", "overhead ms/step", "of a step"], rows)
 
 
 if __name__ == "__main__":

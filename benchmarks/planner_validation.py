@@ -181,7 +181,7 @@ def main() -> None:
             cluster = calibrate(run.nproc, folder, reuse=args.clusters is not None)
             steps = train(run, args.steps, max(1, cores // run.nproc), Path(tmp))
             predicted = predict(run, cluster)
-            states = [sum(source[k] for k in STATE_KEYS) for source in (predicted, steps[-1])]
+            states = [sum(source.get(k, 0) for k in STATE_KEYS) for source in (predicted, steps[-1])]
             peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in steps))
             times = sorted(row["step_time_s"] for row in steps)
             rows.append(
@@ -189,8 +189,9 @@ def main() -> None:
                     run.name,
                     str(run.nproc),
                     f"{states[0] / 2**20:.2f}",
-                    f"{states[1] / 2**20:.2f}",
-                    f"{states[0] / states[1]:.3f}",
+                    # parameter-server workers do not count their model states (only peak memory)
+                    f"{states[1] / 2**20:.2f}" if states[1] else "-",
+                    f"{states[0] / states[1]:.3f}" if states[1] else "-",
                     f"{peak[0] / 2**20:.0f}",
                     f"{peak[1] / 2**20:.0f}",
                     f"{peak[0] / peak[1]:.2f}",
@@ -200,6 +201,7 @@ def main() -> None:
                     f"{predicted['step_time_s'] / times[0]:.2f}",
                 ]
             )
+            print(" | ".join(rows[-1]), f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
     print_table(
         [
             "run",

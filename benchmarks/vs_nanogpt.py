@@ -1,6 +1,6 @@
 """paralm's training loop against nanoGPT's `train.py` on the same model, data size and batch, side by side.
 
-    python benchmarks/vs_nanogpt.py --nanogpt PATH [--steps 15] [--rounds 3] [--compile]
+    python benchmarks/vs_nanogpt.py --nanogpt PATH [--steps 15] [--rounds 3] [--compile] [--dtypes fp32 bf16]
 
 PATH is a checkout of https://github.com/karpathy/nanoGPT (not part of paralm; get it yourself). Both
 train the 6-layer, 6-head, d_model 384 GPT (block 256, batch 12, dropout 0) on Python's documentation
@@ -8,7 +8,9 @@ read as bytes (vocabulary 256 for both), nanoGPT through its own CPU path (alway
 alternate within each round, so load changes hit every variant alike; the table shows the median
 ms/step over rounds (each run's median after its warm-up steps), ratios to nanoGPT fp32 with the
 same thread count, and for DDP (2 processes x 1 thread) the speed-up over paralm on 1 process x 1
-thread in the same dtype. Check `uptime` first: ratios from one run are what to compare.
+thread in the same dtype. Check `uptime` first: ratios from one run are what to compare. On a CPU
+without native bf16 matmuls (AVX2 only: no AVX512-BF16 or AMX) bf16 runs many times slower than fp32:
+`--dtypes fp32` leaves it out.
 """
 
 from __future__ import annotations
@@ -116,12 +118,12 @@ def _env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def variants(compile: bool) -> list[tuple[str, str, int, int, list[str] | None]]:
+def variants(compile: bool, dtypes: list[str]) -> list[tuple[str, str, int, int, list[str] | None]]:
     """(label, dtype, threads, processes, paralm args or None for nanoGPT)."""
     rows = []
     for threads in (1, 2):
         rows.append((f"nanoGPT fp32 x{threads}t", "fp32", threads, 1, None))
-        for dtype in ("fp32", "bf16"):
+        for dtype in dtypes:
             rows.append((f"paralm {dtype} x{threads}t", dtype, threads, 1, [f"--precision.dtype={dtype}"]))
             if compile:
                 rows.append(
@@ -133,7 +135,7 @@ def variants(compile: bool) -> list[tuple[str, str, int, int, list[str] | None]]
                         [f"--precision.dtype={dtype}", "--train.compile=true"],
                     )
                 )
-    for dtype in ("fp32", "bf16"):
+    for dtype in dtypes:
         rows.append((f"paralm {dtype} DDP 2x1t", dtype, 1, 2, [f"--precision.dtype={dtype}"]))
     return rows
 
@@ -145,12 +147,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants (slow to start)")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"], help="paralm's compute dtypes"
+    )
     args = parser.parse_args()
     dataset = prepare_nanogpt_data(args.nanogpt)
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     measured: dict[str, list[float]] = {}
     for round_ in range(args.rounds):
-        for label, _, threads, nproc, extra in variants(args.compile):
+        for label, _, threads, nproc, extra in variants(args.compile, args.dtypes):
             ms = (
                 nanogpt_ms(args.nanogpt, dataset, threads, args.steps, args.warmup, compile=False)
                 if extra is None
@@ -160,7 +165,7 @@ def main() -> None:
             print(f"round {round_}: {label}: {ms:.1f} ms/step (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
     tokens = BATCH * BLOCK
     rows = []
-    for label, dtype, threads, nproc, _ in variants(args.compile):
+    for label, dtype, threads, nproc, _ in variants(args.compile, args.dtypes):
         ms = statistics.median(measured[label])
         base = statistics.median(measured[f"nanoGPT fp32 x{threads}t"])
         one_process = statistics.median(measured[f"paralm {dtype} x1t"])

@@ -11,7 +11,20 @@ pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 # The scripts skip their first 2 steps as warm-up, so 3 steps is one measured step.
 ARGS = {
-    "checkpoint_overhead.py": ["--steps", "3", "--every", "2", "--nproc", "1", "--d-model", "32", "--n-layer", "1"],
+    "checkpoint_overhead.py": [
+        "--steps",
+        "3",
+        "--every",
+        "2",
+        "--nproc",
+        "1",
+        "--rounds",
+        "1",
+        "--d-model",
+        "32",
+        "--n-layer",
+        "1",
+    ],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],
     "planner_validation.py": ["--steps", "3", "--runs", "tiny-1"],

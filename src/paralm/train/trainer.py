@@ -9,6 +9,7 @@ global batch.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,7 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict(),
             "global_batch": self.layout.global_batch,
         }
+        started = time.perf_counter()
         path = self.checkpointer.save(
             self.run_dir,
             self.step,
@@ -286,6 +288,9 @@ class Trainer:
             keep=self.config.checkpoint.keep,
         )
         if self.logger:
-            self.logger.message(f"{'saving' if self.checkpointer.asynchronous else 'saved'} {path}")
+            # the time the loop waited: the whole write, or (async) the copy to memory; checkpoint_overhead.py reads it
+            waited = time.perf_counter() - started
+            verb = "saving" if self.checkpointer.asynchronous else "saved"
+            self.logger.message(f"{verb} {path} (training waited {waited:.3f} s)")
         self.saved_step = self.step
         return path
