@@ -103,9 +103,21 @@ def test_fsdp_keeps_what_paralm_measures() -> None:
     zero2 = device_memory(_layout(dp_shard=8, zero=2), work, PRESETS["h100"])
     assert zero2.param_bytes == pytest.approx(params * 2 + params * 4 / 8)
     assert zero2.grad_bytes == pytest.approx(params * 4 / 8)
+    once = device_memory(_layout(dp_shard=8, zero=3), work, PRESETS["h100"])
     accumulating = device_memory(_layout(dp_shard=8, zero=3, grad_accum=4), work, PRESETS["h100"])
-    assert accumulating.grad_bytes == pytest.approx(params * 4)
+    # the states at the end of the last backward are the shard either way; the unsharded gradients
+    # accumulated between micro-steps are a buffer, unless they are reduce-scattered every micro-step
+    assert accumulating.grad_bytes == once.grad_bytes == pytest.approx(params * 4 / 8)
+    assert accumulating.buffer_bytes - once.buffer_bytes == pytest.approx(params * 4)
     sharded = dataclasses.replace(work, sharded_accumulation=True)
-    assert device_memory(_layout(dp_shard=8, zero=3, grad_accum=4), sharded, PRESETS["h100"]).grad_bytes == (
-        pytest.approx(params * 4 / 8)
-    )
+    every = device_memory(_layout(dp_shard=8, zero=3, grad_accum=4), sharded, PRESETS["h100"])
+    assert every.buffer_bytes == pytest.approx(once.buffer_bytes)
+
+
+def test_zero1_holds_whole_gradients_until_after_backward() -> None:
+    """paralm's ZeRO-1 reduce-scatters after backward: at its end the rank still holds every gradient."""
+    work = dataclasses.replace(_work(SHAPE), recipe="fp32-master")
+    dense = device_memory(_layout(dp_shard=8), work, PRESETS["h100"])
+    zero1 = device_memory(_layout(dp_shard=8, zero=1), work, PRESETS["h100"])
+    assert zero1.grad_bytes == dense.grad_bytes == pytest.approx(SHAPE.params * 4)
+    assert zero1.optim_bytes == pytest.approx(dense.optim_bytes / 8)

@@ -5,6 +5,10 @@ stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` ran
 follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, sec. 4),
 in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size.
 The total is a sum of every term alive at the start of backward, the peak of a training step.
+Model states are what a rank holds at the end of its last backward, before any sync paralm runs after
+it and before the optimizer step (what `paralm.train.memory` measures): ZeRO-1 still holds its whole
+local gradients there (its reduce-scatter follows backward); FSDP has already reduce-scattered its
+own, so gradients it accumulated unsharded between micro-steps are a buffer, not a state.
 """
 
 from __future__ import annotations
@@ -154,8 +158,6 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
     if layout.zero >= 2 and layout.dp_shard > 1:
         states = _fsdp_states(states, params, layout, work)
-    elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.parallel.zero1 keeps the averaged gradient shard
-        states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
@@ -188,17 +190,13 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
 
 
 def _fsdp_states(states: ModelStates, params: float, layout: Layout, work: Workload) -> ModelStates:
-    """What FSDP2 holds beyond the paper's ZeRO-2/3 (see `paralm.train.memory`): with gradient
-    accumulation and sync off until the last micro-step, whole unsharded gradients; under ZeRO-2
-    (`reshard_after_forward=False`) as paralm stores states, the parameters gathered in the compute
+    """What FSDP2 holds beyond the paper's ZeRO-2 (see `paralm.train.memory`): with
+    `reshard_after_forward=False`, as paralm stores states, the parameters gathered in the compute
     dtype stay from forward to the end of backward beside the sharded fp32 master copy."""
-    grad = states.grad_bytes
-    if layout.grad_accum > 1 and not work.sharded_accumulation:
-        grad *= layout.dp_shard
-    param = states.param_bytes
     if layout.zero == 2 and work.recipe == "fp32-master":
         param = params * work.element_bytes + params * 4 / layout.dp_shard
-    return ModelStates(param, grad, states.optim_bytes)
+        return ModelStates(param, states.grad_bytes, states.optim_bytes)
+    return states
 
 
 def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
@@ -209,17 +207,19 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
       plus one block's unsharded gradients before their reduce-scatter;
     - otherwise, under mixed precision with fp32 parameters, autocast's cache of 16-bit weights (one
       copy of the rank's parameters, alive through the forward).
-    - ZeRO-1 (paralm.parallel.zero1): the whole local gradients during backward, until their
-      reduce-scatter leaves the rank its shard (counted in the model states);
+    - ZeRO-2/3 accumulating with sync off until the last micro-step (FSDP's default, unless
+      `parallel.shard_grads_every_microstep`): the whole unsharded gradients between micro-steps,
+      reduce-scattered to the shard (the model states) in the last backward;
     DDP's buckets are views of the gradients (paralm sets `gradient_as_bucket_view`), so cost nothing
     extra; NCCL's own buffers are part of the runtime allowance."""
     e, layer = work.element_bytes, work.shape.layer_params / layout.tp
+    param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
+    accumulating = layout.zero >= 2 and layout.dp_shard > 1 and layout.grad_accum > 1
+    unsharded_grads = params * grad_bytes if accumulating and not work.sharded_accumulation else 0.0
     if layout.zero >= 3:
         gathered = params if layout.pp > 1 else 2 * layer
-        return gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]
-    param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
-    full_gradients = params * grad_bytes * (1 - 1 / layout.dp_shard) if layout.zero == 1 else 0.0
-    return full_gradients + (params * e if e < 4 and param_bytes == 4 else 0.0)
+        return unsharded_grads + gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]
+    return unsharded_grads + (params * e if e < 4 and param_bytes == 4 else 0.0)
 
 
 def device_memory(layout: Layout, work: Workload, cluster: Cluster) -> Memory:
