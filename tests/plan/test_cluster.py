@@ -51,6 +51,20 @@ def test_toml_round_trip(tmp_path) -> None:
         load_cluster(path)
 
 
+def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
+    """The factors and the overlap default to the presets' assumptions; out-of-range ones are refused."""
+    path = tmp_path / "cluster.toml"
+    text = PRESETS["h100"].to_toml()
+    older = "\n".join(
+        line for line in text.splitlines() if not line.startswith(("reduce_scatter", "all_gather", "comm_"))
+    )
+    path.write_text(older)
+    assert load_cluster(path) == PRESETS["h100"]
+    path.write_text(text.replace("comm_overlap = 1.0", "comm_overlap = 1.5"))
+    with pytest.raises(UserError, match="comm_overlap"):
+        load_cluster(path)
+
+
 def test_with_devices_keeps_the_hardware() -> None:
     small = PRESETS["h100"].with_devices(2)
     assert dataclasses.replace(small, nodes=1, devices_per_node=8) == PRESETS["h100"]

@@ -99,6 +99,32 @@ def test_overlap_hides_only_what_compute_covers() -> None:
     assert hidden.dp_exposed_s >= shown.dp_comm_s - hidden.compute_s
 
 
+def test_devices_that_do_not_overlap_hide_nothing() -> None:
+    """`comm_overlap` is the fraction of the overlappable time compute hides (calibrate measures it)."""
+    layout = _layout(dp_shard=64, micro_batch_size=1)
+    full, shown = step_time(layout, _work(), H100), step_time(layout, _work(), H100, overlap=False)
+    none = step_time(layout, _work(), dataclasses.replace(H100, comm_overlap=0.0))
+    half = step_time(layout, _work(), dataclasses.replace(H100, comm_overlap=0.5))
+    assert none.dp_exposed_s == pytest.approx(shown.dp_exposed_s)
+    hidden = shown.dp_exposed_s - full.dp_exposed_s
+    assert hidden > 0 and half.dp_exposed_s == pytest.approx(shown.dp_exposed_s - hidden / 2)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_pays_its_buffer_copies(zero: int) -> None:
+    """FSDP2 copies parameters and gradients in and out of its flat buffers: memory-bound, not hidden."""
+    layout = _layout(dp_shard=64, micro_batch_size=1, zero=zero)
+    fast = step_time(layout, _work(), NO_LATENCY, overlap=False)
+    slow = step_time(
+        layout,
+        _work(),
+        dataclasses.replace(NO_LATENCY, memory_bandwidth=NO_LATENCY.memory_bandwidth / 2),
+        overlap=False,
+    )
+    copies = fast.dp_exposed_s - fast.dp_comm_s
+    assert copies > 0 and slow.dp_exposed_s - slow.dp_comm_s == pytest.approx(2 * copies)
+
+
 def test_compression_shrinks_the_gradient_exchange() -> None:
     layout = _layout(dp_shard=64, micro_batch_size=1)
     plain = step_time(layout, _work(), NO_LATENCY).dp_comm_s

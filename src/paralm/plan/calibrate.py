@@ -12,6 +12,10 @@ what each one gets during training:
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
   alpha from the smallest message, beta from the slope between the two largest;
+- reduce-scatter and all-gather: how much longer the largest message takes than the ring model with
+  those alpha and beta (gloo's are not rings: 2-3x on CPUs);
+- communication overlap: an all-reduce started asynchronously beside a run of matmuls about as long,
+  median of alternating rounds: the fraction of its time the compute hid;
 - the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
 One machine has no inter-node link: the file repeats the intra-node figures there.
 """
@@ -22,6 +26,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,7 +58,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> C
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
         # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
-        mp.spawn(_communication_worker, args=(workers, tmp), nprocs=workers, join=True)
+        mp.spawn(_communication_worker, args=(workers, threads, tmp), nprocs=workers, join=True)
         mp.spawn(_compute_worker, args=(devices, threads, tmp), nprocs=devices, join=True)
         measured = {
             **json.loads((Path(tmp) / "communication.json").read_text()),
@@ -77,6 +82,9 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> C
         gemm_efficiency=_rising(sizes, [measured[f"gemm_{n}"] for n in sizes]),
         kernel_latency=measured["kernel_latency"],
         runtime_bytes=measured["runtime_bytes"],
+        reduce_scatter_factor=measured["reduce_scatter_factor"],
+        all_gather_factor=measured["all_gather_factor"],
+        comm_overlap=measured["comm_overlap"],
         source=f"paralm calibrate, {date.today()}, torch {torch.__version__}",
     )
 
@@ -96,14 +104,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _communication_worker(rank: int, workers: int, folder: str) -> None:
+def _communication_worker(rank: int, workers: int, threads: int, folder: str) -> None:
     gpus = torch.cuda.device_count()
     nccl = gpus >= workers  # otherwise gloo between processes, as `paralm train` on CPUs
     device = torch.device("cuda", rank) if nccl else torch.device("cpu")
     if nccl:
         torch.cuda.set_device(device)
+    torch.set_num_threads(threads)
     dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=workers)
     measured = _all_reduce(device, workers)
+    measured |= _sharded_collectives(device, workers, measured)
+    measured["comm_overlap"] = _overlap(device)
     if rank == 0:
         (Path(folder) / "communication.json").write_text(json.dumps(measured))
     dist.barrier()
@@ -135,16 +146,18 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
     """The fastest of `repeats` calls after one warm-up: like `measure_matmul_flops`, the figure other
     processes on a shared machine disturb least (a fixed count: collectives must match on every rank)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(_seconds(fn, device) for _ in range(repeats))
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """One call's wall time, the device's queued work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def _all_reduce(device: torch.device, n: int) -> dict[str, float]:
@@ -158,6 +171,44 @@ def _all_reduce(device: torch.device, n: int) -> dict[str, float]:
         "allreduce_latency": seconds[small] / (2 * (n - 1)),
         "allreduce_bandwidth": 2 * (n - 1) / n * (large - mid) / max(seconds[large] - seconds[mid], 1e-9),
     }
+
+
+def _sharded_collectives(device: torch.device, n: int, ring: dict[str, float]) -> dict[str, float]:
+    """Reduce-scatter and all-gather of the largest message, over the ring model's time for it."""
+    size = MESSAGE_BYTES[-1]
+    model = (n - 1) * ring["allreduce_latency"] + (n - 1) / n * size / ring["allreduce_bandwidth"]
+    whole, shard = torch.ones(size // 4, device=device), torch.ones(size // 4 // n, device=device)
+    scatter = _timed(lambda: dist.reduce_scatter_single(shard, whole), device, repeats=10)
+    gather = _timed(lambda: dist.all_gather_single(whole, shard), device, repeats=10)
+    return {"reduce_scatter_factor": scatter / model, "all_gather_factor": gather / model}
+
+
+def _overlap(device: torch.device, rounds: int = 9) -> float:
+    """Fraction of an all-reduce's time hidden by matmuls run while it is in flight: (compute alone +
+    all-reduce alone - both together) / the shorter, each the median of alternating rounds."""
+    message = torch.ones(MESSAGE_BYTES[-1] // 4, device=device)
+    a = torch.randn(512, 512, device=device)
+    alone = _timed(lambda: dist.all_reduce(message), device, repeats=3)
+    per_matmul = _timed(lambda: a @ a, device, repeats=3)
+    matmuls = max(1, round(alone / per_matmul))
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            a @ a
+
+    def both() -> None:
+        work = dist.all_reduce(message, async_op=True)
+        compute()
+        work.wait()
+
+    both()  # warm-up
+    runs: list[list[float]] = [[], [], []]
+    for _ in range(rounds):
+        for times, fn in zip(runs, (compute, lambda: dist.all_reduce(message), both), strict=True):
+            dist.barrier()
+            times.append(_seconds(fn, device))
+    c, m, together = (statistics.median(times) for times in runs)
+    return min(1.0, max(0.0, (c + m - together) / min(c, m)))
 
 
 def _compute(device: torch.device) -> dict[str, float]:

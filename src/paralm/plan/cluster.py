@@ -22,10 +22,13 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Link:
-    """An alpha-beta link: `latency` seconds per message step, `bandwidth` bytes/s per direction."""
+    """An alpha-beta link: `latency` seconds per message step, `bandwidth` bytes/s per direction; the
+    factors scale the ring model's reduce-scatter and all-gather to what the backend takes (see `Cluster`)."""
 
     bandwidth: float
     latency: float
+    reduce_scatter_factor: float = 1.0
+    all_gather_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,14 @@ class Cluster:
     gemm_efficiency: tuple[tuple[float, float], ...]
     kernel_latency: float  # seconds a kernel takes however small: launch and synchronisation
     runtime_bytes: float  # per-device memory taken before any tensor: context, workspaces, margin
+    # How much longer a reduce-scatter / all-gather takes than the ring model with the all-reduce's alpha
+    # and beta: 1 for NCCL's ring kernels (the presets' assumption); gloo's run 2-3x longer on CPUs.
+    reduce_scatter_factor: float = 1.0
+    all_gather_factor: float = 1.0
+    # Fraction of communication time that compute running at the same time hides: 1 where collectives
+    # have their own engines (NCCL on GPUs, the presets' assumption); CPU cores shared with gloo's
+    # threads hide less, or none when the workers oversubscribe the cores.
+    comm_overlap: float = 1.0
     source: str = field(default="", compare=False)  # where the figures come from
 
     @property
@@ -52,11 +63,11 @@ class Cluster:
 
     @property
     def intra(self) -> Link:
-        return Link(self.intra_bandwidth, self.intra_latency)
+        return Link(self.intra_bandwidth, self.intra_latency, self.reduce_scatter_factor, self.all_gather_factor)
 
     @property
     def inter(self) -> Link:
-        return Link(self.inter_bandwidth, self.inter_latency)
+        return Link(self.inter_bandwidth, self.inter_latency, self.reduce_scatter_factor, self.all_gather_factor)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -193,7 +204,7 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: no [cluster] table; write one with `paralm calibrate --out {path}`")
     fields = {f.name for f in dataclasses.fields(Cluster)}
     unknown = set(raw) - fields
-    missing = fields - set(raw) - {"source"}
+    missing = fields - set(raw) - {f.name for f in dataclasses.fields(Cluster) if f.default is not dataclasses.MISSING}
     if unknown or missing:
         problems = [
             f"unknown {', '.join(sorted(unknown))}" if unknown else "",
@@ -208,6 +219,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: [cluster] has a value of the wrong type: {e}") from None
     if min(cluster.nodes, cluster.devices_per_node) < 1 or cluster.memory_bytes <= 0:
         raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
+    if min(cluster.reduce_scatter_factor, cluster.all_gather_factor) <= 0 or not 0 <= cluster.comm_overlap <= 1:
+        raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
     sizes, effs = [p[0] for p in curve], [p[1] for p in curve]
     if not curve or sizes != sorted(set(sizes)) or effs != sorted(effs) or not 0 < effs[0] <= effs[-1] <= 1:
         raise UserError(

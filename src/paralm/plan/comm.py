@@ -3,7 +3,9 @@
 Ring algorithms (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009, bandwidth-optimal
 all-reduce): n ranks, S the full (unsharded) buffer. All-reduce sends 2(n-1)/n S per rank in 2(n-1)
 steps; reduce-scatter and all-gather half of that each. Ring latency grows with n; NCCL switches to
-trees at scale, so alpha terms are an upper bound for very large groups.
+trees at scale, so alpha terms are an upper bound for very large groups. A backend whose
+reduce-scatter and all-gather are not these rings (gloo's, on CPUs) is priced through the link's
+factors, which `paralm calibrate` measures.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ def all_reduce(nbytes: float, n: int, link: Link) -> float:
 
 
 def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
-    if n <= 1:
-        return 0.0
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return link.reduce_scatter_factor * _half_ring(nbytes, n, link)
 
 
 def all_gather(nbytes: float, n: int, link: Link) -> float:
-    return reduce_scatter(nbytes, n, link)  # the same traffic in the other direction
+    return link.all_gather_factor * _half_ring(nbytes, n, link)  # the same traffic in the other direction
+
+
+def _half_ring(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
 def p2p(nbytes: float, link: Link) -> float:

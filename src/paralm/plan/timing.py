@@ -16,7 +16,10 @@ Stated assumptions:
   after the optimizer step, the tied-embedding all-reduce between the first and last pipeline rank
   and the parameter server's push and pull are not overlapped;
 - local SGD and DiLoCo all-reduce fp32 parameters every `sync.local_steps` steps, not overlapped;
-- with `overlap=False` nothing is hidden;
+- what overlaps is hidden only as far as the device runs communication beside compute
+  (`Cluster.comm_overlap`, measured by calibrate); with `overlap=False` nothing is hidden;
+- FSDP (ZeRO-2/3) also copies parameters and gradients in and out of its flat collective buffers:
+  memory-bound, not hidden;
 - the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`.
 """
 
@@ -141,7 +144,9 @@ def _data_parallel(
     grads = params * DTYPE_BYTES[work.reduce_dtype]
 
     def exposed(seconds: float, window: float, floor: float = 0.0) -> float:
-        return max(seconds - window, floor) if overlap else seconds
+        if not overlap:
+            return seconds
+        return max(seconds - cluster.comm_overlap * min(seconds, window), floor)
 
     if layout.ps_servers:
         t = comm.parameter_server(grads, dp_n, layout.ps_servers, cluster.link(layout.devices, 1))
@@ -163,7 +168,8 @@ def _data_parallel(
             return reduce + gather, reduce + gather
         # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
         reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1
-        return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather
+        copies = _fsdp_copies(cluster, params * param_bytes, reductions * grads, shard_n)
+        return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather + copies
     gather = comm.all_gather(params * work.element_bytes, shard_n, shard_link)
     first_block = comm.all_gather(work.shape.layer_params / layout.tp * work.element_bytes, shard_n, shard_link)
     # Gather for forward, again for backward (with a pipeline parameters stay gathered through the
@@ -172,7 +178,19 @@ def _data_parallel(
     reductions = layout.grad_accum if work.sharded_accumulation else 1
     total = layout.grad_accum * gathers * gather + reductions * reduce
     hidden = layout.grad_accum * (first_block + exposed(gather, forward) + (gathers - 1) * exposed(gather, backward))
-    return total, (hidden + reductions * exposed(reduce, backward)) if overlap else total
+    copies = _fsdp_copies(
+        cluster, layout.grad_accum * gathers * params * work.element_bytes, reductions * grads, shard_n
+    )
+    return total, copies + ((hidden + reductions * exposed(reduce, backward)) if overlap else total)
+
+
+def _fsdp_copies(cluster: Cluster, gathered: float, reduced: float, n: int) -> float:
+    """FSDP2's memory-bound copies around its collectives, on the compute stream: each all-gather copies
+    the shard into its flat input and the gathered output out to the parameters; each reduce-scatter
+    copies the gradients into its flat input and its output shard out (each copy reads and writes)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (1 + 1 / n) * (gathered + reduced) / cluster.memory_bandwidth
 
 
 def _gradient_all_reduce(work: Workload, params: float, n: int, link: Link) -> float:
