@@ -6,11 +6,15 @@ For each run in RUNS, `paralm calibrate` first measures this machine for its pro
 before the run, since the machine's load drifts; `--clusters DIR` keeps and reuses the files), then
 the run trains through `paralm train` as a user would, and `paralm plan` prices exactly its layout
 (every layout field fixed on the command line) with `--recipe fp32-master`, how paralm stores model
-states. Measured figures come from metrics.jsonl, over the steps after the first
-two: model states, the peak memory (the process's peak RSS on CPU, the CUDA allocator's on GPU; its
-prediction includes the calibrated runtime allowance) and the fastest and median step times. The
-fastest is what calibration (also best-of-N) predicts: on a shared machine other processes slow the
-median by whatever they happen to run.
+states. Measured figures come from metrics.jsonl, over the steps after the first two: model states,
+the peak memory and the fastest and median step times. The fastest is what calibration (also
+best-of-N) predicts: on a shared machine other processes slow the median by whatever they happen to run.
+
+Peak memory is what the tensors need, as the CUDA allocator's peak is on GPU: on CPU the process's
+peak RSS in a second, shorter run in which glibc gives every freed block of 128 KiB or more back to
+the OS (`MALLOC_MMAP_THRESHOLD_`); by default glibc keeps freed blocks, which adds 10-50% to these
+runs' RSS and is shown beside it. Its prediction includes the calibrated runtime allowance. (The
+setting slows CPU training by 10-40%, so the step times come from the first run.)
 
 Rows cover DDP, ZeRO-1/2/3 (with accumulation), HSDP, TP, TP+SP, PP (two schedules), 3-D, the
 parameter server and local SGD on 1-8 CPU ranks. Measure on a quiet machine (check `uptime` before
@@ -125,9 +129,13 @@ def calibrate(nproc: int, folder: Path, reuse: bool) -> Path:
     return path
 
 
-def train(run: Run, steps: int, threads: int, folder: Path) -> list[dict]:
+# Freed blocks of 128 KiB and more go back to the OS at once, so peak RSS counts live tensors only.
+RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def train(run: Run, steps: int, threads: int, folder: Path, env: dict[str, str] | None = None) -> list[dict]:
     """metrics.jsonl rows of a fresh `paralm train` run, without its first two (warm-up) steps."""
-    run_dir = folder / run.name
+    run_dir = folder / f"{run.name}-{steps}"
     command = [
         sys.executable,
         "-m",
@@ -142,7 +150,8 @@ def train(run: Run, steps: int, threads: int, folder: Path) -> list[dict]:
         "--train.eval_samples=8",
         "--checkpoint.resume=none",
     ]
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+    subprocess.run(command, check=True, env=env, capture_output=True)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
 
 
@@ -179,10 +188,13 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         for run in (r for r in RUNS if r.name in args.runs):
             cluster = calibrate(run.nproc, folder, reuse=args.clusters is not None)
-            steps = train(run, args.steps, max(1, cores // run.nproc), Path(tmp))
+            threads = max(1, cores // run.nproc)
+            steps = train(run, args.steps, threads, Path(tmp))
+            live = train(run, 4, threads, Path(tmp), RETURN_FREED_MEMORY)
             predicted = predict(run, cluster)
             states = [sum(source.get(k, 0) for k in STATE_KEYS) for source in (predicted, steps[-1])]
-            peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in steps))
+            peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in live))
+            kept = max(row["peak_mem_bytes"] for row in steps)
             times = sorted(row["step_time_s"] for row in steps)
             rows.append(
                 [
@@ -195,6 +207,7 @@ def main() -> None:
                     f"{peak[0] / 2**20:.0f}",
                     f"{peak[1] / 2**20:.0f}",
                     f"{peak[0] / peak[1]:.2f}",
+                    f"{kept / 2**20:.0f}",
                     f"{1e3 * predicted['step_time_s']:.1f}",
                     f"{1e3 * times[0]:.1f}",
                     f"{1e3 * times[len(times) // 2]:.1f}",
@@ -212,6 +225,7 @@ def main() -> None:
             "peak MiB pred",
             "meas",
             "ratio",
+            "RSS, freed kept",
             "step ms pred",
             "fastest",
             "median",

@@ -96,6 +96,9 @@ def test_synchronous_parameter_server_equals_one_process(tmp_path):
     assert [r["step"] for r in ps] == [r["step"] for r in reference] == list(range(5))
     for a, b in zip(reference, ps, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5
+        # a worker holds the whole model and its gradients, no optimizer state (the server steps)
+        assert b["param_bytes"] == b["grad_bytes"] == a["param_bytes"] == a["grad_bytes"]
+        assert "optim_bytes" not in b
     expected = _weights(single)
     for name, value in _weights(config).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)

@@ -75,6 +75,8 @@ class Header:
     compute_s: float = 0.0  # seconds the worker spent on the gradient
     val_loss: float = 0.0
     peak_mem: float = 0.0  # a pushing worker's peak memory so far, in bytes
+    param_bytes: float = 0.0  # a pushing worker's model states: its parameters and gradients, in bytes
+    grad_bytes: float = 0.0
     peer: int = 0  # orders: the worker whose message to handle next
 
     def to_tensor(self) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The lead parameter server's metrics: one row per update, with `comm_bytes` = the bytes all ranks
 sent for it (workers report their traffic in their headers, since every worker-server byte has a
-worker at one end, and servers add their server-to-server bytes). Checkpoint transfers appear in the
+worker at one end, and servers add their server-to-server bytes); `param_bytes` and `grad_bytes` are
+the model states of the largest worker, as its pushes report them. Checkpoint transfers appear in the
 end-of-run summary only; evaluation runs on the workers and the first one reports the loss."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class ServerLog:
         self.throughput = Throughput(shard.model.flops_per_token(), peak, runtime.world_size - runtime.servers)
         self.pending_traffic = 0.0  # reported by workers, not yet in a row
         self.worker_peak_mem = 0  # the largest peak a worker reported
+        # the largest model states a worker reported (no optimizer state: the servers step)
+        self.worker_states = {"param_bytes": 0, "grad_bytes": 0}
         self.device = server_device(config.sync, runtime.device)
         self.logger = open_run_log(config, shard.version)
         self.logger.message(banner(self._describe(runtime), shard.version, config.train.steps))
@@ -64,6 +67,7 @@ class ServerLog:
             comm_bytes=traffic,
             # other servers hold a slice of the same size as this one: the largest peak is a worker's or ours
             peak_mem_bytes=max(self.worker_peak_mem, peak_memory_bytes(self.device)),
+            **self.worker_states,
         )
 
     def await_report(self) -> dict[str, float]:

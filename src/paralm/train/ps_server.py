@@ -96,6 +96,8 @@ class Server:
         if self.log:
             self.log.pending_traffic += head.traffic
             self.log.worker_peak_mem = max(self.log.worker_peak_mem, int(head.peak_mem))
+            for key in self.log.worker_states:
+                self.log.worker_states[key] = max(self.log.worker_states[key], int(getattr(head, key)))
 
     def _answer_pulls(self, status: Status) -> None:
         for worker in self._workers():

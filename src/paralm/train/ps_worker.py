@@ -13,6 +13,7 @@ from paralm.data.sampler import BatchLayout
 from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.ps_protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
 from paralm.parallel.runtime import Runtime
+from paralm.train.memory import local_bytes
 from paralm.train.metrics import peak_memory_bytes
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Worker:
         return sum(self.runtime.comm.take_step())
 
     def push(self, loss: float, grad_norm: float, seconds: float, reply: Header) -> None:
+        states = {"param_bytes": local_bytes(self.params), "grad_bytes": local_bytes(p.grad for p in self.params)}
         for server, shard in enumerate(self.shards):
             message = Header(
                 kind=Kind.PUSH,
@@ -77,6 +79,7 @@ class Worker:
                 grad_norm=grad_norm,
                 compute_s=seconds,
                 peak_mem=peak_memory_bytes(self.runtime.device),
+                **states,
                 traffic=self._traffic() if server == LEAD else 0,
             )
             self.link.send(server, message, flatten([p.grad for p in shard]))
