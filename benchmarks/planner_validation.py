@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,6 +114,32 @@ FIXED = [
 ]
 
 
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation: Pearson's of the ranks (ties share their mean rank)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(values)
+        return [order.index(v) + (order.count(v) - 1) / 2 for v in values]
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    spread = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / spread if spread else float("nan")
+
+
+def ranking(runs: list[Run], predicted: list[float], measured: list[float]) -> list[str]:
+    """Per model (the runs named after it all train the same global batch): does the planner order
+    its layouts as they measured?"""
+    lines = []
+    for model in dict.fromkeys(run.name.split("-")[0] for run in runs):
+        rows = [i for i, run in enumerate(runs) if run.name.split("-")[0] == model]
+        if len(rows) > 2:
+            rho = spearman([predicted[i] for i in rows], [measured[i] for i in rows])
+            lines.append(f"{model}: Spearman {rho:.2f} over {len(rows)} layouts")
+    return lines
+
+
 def fixed(run: Run) -> list[str]:
     given = {arg.split("=")[0] for arg in run.args}
     return [arg for arg in FIXED if arg.split("=")[0] not in given]
@@ -182,7 +210,7 @@ def main() -> None:
     parser.add_argument("--clusters", type=Path, help="folder for (or with) cluster-N.toml; default: temporary")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    rows = []
+    rows, done, predicted_s, measured_s = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.clusters or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -196,6 +224,9 @@ def main() -> None:
             peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in live))
             kept = max(row["peak_mem_bytes"] for row in steps)
             times = sorted(row["step_time_s"] for row in steps)
+            done.append(run)
+            predicted_s.append(predicted["step_time_s"])
+            measured_s.append(times[0])
             rows.append(
                 [
                     run.name,
@@ -233,6 +264,8 @@ def main() -> None:
         ],
         rows,
     )
+    print("\nranking of the layouts by step time, predicted against fastest measured:")
+    print("\n".join(ranking(done, predicted_s, measured_s)))
 
 
 if __name__ == "__main__":

@@ -130,8 +130,12 @@ def calibration_path(devices: int) -> Path:
     return cache_dir() / f"cluster-{_machine()}-{devices}.toml"
 
 
+# Bumped when calibrate measures something new, so that older cached files are measured again.
+CALIBRATION_VERSION = 2
+
+
 def _machine() -> str:
-    """What the calibration depends on: the device, the core count and torch."""
+    """What the calibration depends on: the device, the core count, torch and what calibrate measures."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
-    key = f"{device}-{os.cpu_count()}cores-torch{torch.__version__}"
+    key = f"{device}-{os.cpu_count()}cores-torch{torch.__version__}-v{CALIBRATION_VERSION}"
     return re.sub(r"[^A-Za-z0-9.]+", "-", key).strip("-").lower()

@@ -3,10 +3,11 @@
 `devices` local workers share the machine as `paralm train --nproc N` would (the cores split
 between them), and every figure is measured with all of them running at once, because that is
 what each one gets during training:
-- peak FLOP/s per dtype: the best large matmul (`hardware.measure_matmul_flops`);
 - the matmul efficiency curve: square matmuls of growing size in the training dtype (bf16 on CUDA,
-  fp32 on CPU), each as a fraction of that dtype's peak, made non-decreasing (a smaller size that ran
-  faster is noise: the cost model assumes larger matrices run no slower);
+  fp32 on CPU), in alternating rounds, each size's best as a fraction of the best of all (that
+  dtype's peak), made non-decreasing (a smaller size that ran faster is noise: the cost model
+  assumes larger matrices run no slower);
+- the other dtypes' peaks: the best large matmul (`hardware.measure_matmul_flops`);
 - kernel latency: the fastest tiny elementwise kernel;
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
@@ -44,6 +45,7 @@ MESSAGE_BYTES = (4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
+GEMM_ROUNDS = 3
 
 
 def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> Cluster:
@@ -217,11 +219,16 @@ def _compute(device: torch.device) -> dict[str, float]:
     cuda = device.type == "cuda"
     dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
-    measured = {f"peak_{d}": measure_matmul_flops(device, d, size=sizes[-1]) for d in dtypes}
     dtype = "bf16" if cuda else "fp32"
-    for n in sizes:
-        seconds = 0.2 if n < sizes[-1] else 0.5
-        measured[f"gemm_{n}"] = measure_matmul_flops(device, dtype, size=n, seconds=seconds) / measured[f"peak_{dtype}"]
+    measured = {f"peak_{d}": measure_matmul_flops(device, d, size=sizes[-1]) for d in dtypes if d != dtype}
+    # The curve's sizes in alternating rounds, each keeping its best: a disturbance from other processes
+    # then lowers one trial of one size, not a whole size, nor the peak the others are divided by.
+    best = dict.fromkeys(sizes, 0.0)
+    for _ in range(GEMM_ROUNDS):
+        for n in sizes:
+            best[n] = max(best[n], measure_matmul_flops(device, dtype, size=n, seconds=0.15))
+    measured[f"peak_{dtype}"] = max(best.values())
+    measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in best.items()}
     one = torch.ones(1, device=device)
     measured["kernel_latency"] = _timed(lambda: one.add_(1.0), device, repeats=50)
 
