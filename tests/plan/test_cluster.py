@@ -56,7 +56,7 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     path = tmp_path / "cluster.toml"
     text = PRESETS["h100"].to_toml()
     older = "\n".join(
-        line for line in text.splitlines() if not line.startswith(("reduce_scatter", "all_gather", "comm_"))
+        line for line in text.splitlines() if not line.startswith(("reduce_scatter", "all_gather", "comm_", "sync_"))
     )
     path.write_text(older)
     assert load_cluster(path) == PRESETS["h100"]

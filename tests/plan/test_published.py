@@ -1,6 +1,6 @@
 """The GPU presets against published throughputs of large training runs, layouts as the papers state them.
 
-Each case prices exactly the published layout (nothing searched) and compares the predicted throughput
+Each A100 case prices exactly the published layout (nothing searched) and compares the predicted throughput
 per GPU with the reported one, in the paper's own FLOP accounting: Megatron-style "TFLOP/s per GPU"
 counts the recomputed forward (96 B s l h^2 (1 + s/6h + V/16lh) per step, Narayanan et al. 2021 eq. 3),
 MFU does not (6N + 12 L d s per token, Korthikanti et al. 2022 sec. 6, Chowdhery et al. 2022).
@@ -9,6 +9,7 @@ attention with a materialised s x s softmax (we price a fused kernel), BLOOM's n
 (4 x 100 Gb/s per 8 GPUs, set below), MT-NLG and BLOOM ran ZeRO-1 across data parallelism (priced as
 paralm runs tp/pp: replicated optimizer state, the same gradient all-reduce), and Korthikanti's
 selective recompute repeats only the attention core (priced as no recompute: it adds about 2-4%).
+The H100 cases state no layout: the planner searches its own for the published model and batch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
 from paralm.plan.request import load_request
-from paralm.plan.search import evaluate
+from paralm.plan.search import evaluate, search
 from tests.plan.helpers import layout
 
 TOLERANCE = 0.15
@@ -154,3 +155,40 @@ def test_presets_predict_published_runs(run: Run) -> None:
     predicted = _predict(run)
     print(f"{run.source}: predicted {predicted:.3g}, published {run.published:.3g} ({predicted / run.published:.2f}x)")
     assert predicted == pytest.approx(run.published, rel=TOLERANCE)
+
+
+# Megatron-LM's README ("Strong Scaling Results", NVIDIA): GPT-3 175B with a 131,072-token vocabulary
+# and 4,096-token sequences, a batch of 1,152 sequences throughout, MFU 47% on 96 H100s falling to 42%
+# on 4,608 as communication becomes exposed. No layout is given in the text: the planner searches one
+# (bf16, Megatron's fp32 gradients and master weights) and its best is compared.
+# Both are known misses, by 1.18x and 1.15x (the direction the A100 runs do not show): the H100
+# curve's plateau (76% of peak) is the A100's fit carried over, not fitted to any H100 run, and the
+# layout searched (dp 6 ZeRO-3, tp 8 + SP, pp 2 on 96 GPUs) need not be the one Megatron ran.
+H100_MISS = "predicted {}: the H100 GEMM plateau is not fitted to an H100 run; the layout is searched"
+H100_RUNS = [
+    ("Megatron-LM GPT-3 175B, 96 H100", 96, 0.47, H100_MISS.format("1.18x")),
+    ("Megatron-LM GPT-3 175B, 4608 H100", 4608, 0.42, H100_MISS.format("1.15x")),
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "gpus", "published"),
+    [pytest.param(*r[:3], marks=pytest.mark.xfail(strict=True, reason=r[3])) for r in H100_RUNS],
+    ids=[r[0] for r in H100_RUNS],
+)
+def test_h100_preset_predicts_published_mfu(source: str, gpus: int, published: float) -> None:
+    config, fixed = load_request(
+        None,
+        [
+            "--model.n_layer=96",
+            "--model.d_model=12288",
+            "--model.n_head=96",
+            "--model.vocab_size=131072",
+            "--model.block_size=4096",
+            "--precision.dtype=bf16",
+            "--train.global_batch_size=1152",
+        ],
+    )
+    best = search(config, PRESETS["h100"].with_devices(gpus), fixed, recipe="fp32-grads")[1][0]
+    print(f"{source}: predicted MFU {best.mfu:.3f}, published {published} ({best.mfu / published:.2f}x)")
+    assert best.mfu == pytest.approx(published, rel=TOLERANCE)

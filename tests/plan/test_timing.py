@@ -160,6 +160,19 @@ def test_tensor_parallel_all_reduces_per_block() -> None:
     )
 
 
+def test_blocking_collectives_wait_for_the_slowest_rank() -> None:
+    """`sync_cost` is added to every tensor-parallel collective and every pipeline transfer."""
+    waiting = dataclasses.replace(H100, sync_cost=1e-3)
+    tp = _layout(dp_shard=16, tp=4, micro_batch_size=1)
+    extra = step_time(tp, _work(), waiting).tp_comm_s - step_time(tp, _work(), H100).tp_comm_s
+    # 2 collectives per block forward, 2 backward, the embedding's and the head's
+    assert extra == pytest.approx((4 * SHAPE.n_layer + 2) * 1e-3)
+    pp = _layout(dp_shard=16, pp=4, pp_microbatches=4, micro_batch_size=4)
+    extra = step_time(pp, _work(), waiting).pp_comm_s - step_time(pp, _work(), H100).pp_comm_s
+    assert extra == pytest.approx(4 * 2 * 1e-3)  # each micro-batch's activation and its gradient
+    assert step_time(_layout(dp_shard=64), _work(), waiting) == step_time(_layout(dp_shard=64), _work(), H100)
+
+
 def test_groups_that_span_nodes_use_the_network() -> None:
     """dp ranks 1 apart share a node (NVLink); with tp = 8 they are 8 apart, one per node (InfiniBand)."""
     intra = step_time(_layout(dp_shard=8, micro_batch_size=8), _work(), NO_LATENCY, overlap=False)

@@ -7,7 +7,7 @@ what each one gets during training:
   fp32 on CPU), in alternating rounds, each size's best as a fraction of the best of all (that
   dtype's peak), made non-decreasing (a smaller size that ran faster is noise: the cost model
   assumes larger matrices run no slower);
-- the other dtypes' peaks: the best large matmul (`hardware.measure_matmul_flops`);
+- the other dtypes' peaks: a large matmul, sustained;
 - kernel latency: the fastest tiny elementwise kernel;
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
@@ -17,6 +17,8 @@ what each one gets during training:
   those alpha and beta (gloo's are not rings: 2-3x on CPUs);
 - communication overlap: an all-reduce started asynchronously beside a run of matmuls about as long,
   median of alternating rounds: the fraction of its time the compute hid;
+- synchronisation cost: a burst of matmuls followed by a blocking all-reduce, against the two alone:
+  what waiting for the slowest rank adds to each tensor-parallel collective and pipeline transfer;
 - the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
 One machine has no inter-node link: the file repeats the intra-node figures there.
 """
@@ -37,7 +39,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
+from paralm.dtypes import torch_dtype
 from paralm.plan.cluster import Cluster
 from paralm.plan.timing import optimizer_bytes_per_param
 
@@ -87,6 +91,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> C
         reduce_scatter_factor=measured["reduce_scatter_factor"],
         all_gather_factor=measured["all_gather_factor"],
         comm_overlap=measured["comm_overlap"],
+        sync_cost=measured["sync_cost"],
         source=f"paralm calibrate, {date.today()}, torch {torch.__version__}",
     )
 
@@ -117,6 +122,7 @@ def _communication_worker(rank: int, workers: int, threads: int, folder: str) ->
     measured = _all_reduce(device, workers)
     measured |= _sharded_collectives(device, workers, measured)
     measured["comm_overlap"] = _overlap(device)
+    measured["sync_cost"] = _sync_cost(device)
     if rank == 0:
         (Path(folder) / "communication.json").write_text(json.dumps(measured))
     dist.barrier()
@@ -179,7 +185,8 @@ def _sharded_collectives(device: torch.device, n: int, ring: dict[str, float]) -
     """Reduce-scatter and all-gather of the largest message, over the ring model's time for it."""
     size = MESSAGE_BYTES[-1]
     model = (n - 1) * ring["allreduce_latency"] + (n - 1) / n * size / ring["allreduce_bandwidth"]
-    whole, shard = torch.ones(size // 4, device=device), torch.ones(size // 4 // n, device=device)
+    shard = torch.ones(size // 4 // n, device=device)
+    whole = torch.ones(shard.numel() * n, device=device)
     scatter = _timed(lambda: dist.reduce_scatter_single(shard, whole), device, repeats=10)
     gather = _timed(lambda: dist.all_gather_single(whole, shard), device, repeats=10)
     return {"reduce_scatter_factor": scatter / model, "all_gather_factor": gather / model}
@@ -213,20 +220,64 @@ def _overlap(device: torch.device, rounds: int = 9) -> float:
     return min(1.0, max(0.0, (c + m - together) / min(c, m)))
 
 
+def _sync_cost(device: torch.device, rounds: int = 15) -> float:
+    """What a blocking collective costs between bursts of compute beyond the two alone (medians of
+    alternating rounds): the wait for the slowest rank, as tensor and pipeline parallelism meet it."""
+    message = torch.ones(MESSAGE_BYTES[-3] // 4, device=device)
+    a = torch.randn(256, 256, device=device)
+
+    def compute() -> None:
+        for _ in range(8):
+            a @ a
+
+    def exchange() -> None:
+        dist.all_reduce(message)
+
+    def both() -> None:
+        compute()
+        exchange()
+
+    both()  # warm-up
+    runs: list[list[float]] = [[], [], []]
+    for _ in range(rounds):
+        for times, fn in zip(runs, (compute, exchange, both), strict=True):
+            dist.barrier()
+            times.append(_seconds(fn, device))
+    c, m, together = (statistics.median(times) for times in runs)
+    return max(0.0, together - c - m)
+
+
+def _sustained_flops(device: torch.device, dtype: str, size: int, seconds: float) -> float:
+    """FLOP/s of back-to-back square matmuls (as `nn.Linear` runs them) over `seconds`: what a device
+    sustains while the other devices run too. Not the best single call: workers that outnumber the
+    cores share them, and one call can catch the cores while the others wait."""
+    x = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
+    weight = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
+    F.linear(x, weight)  # warm-up: kernel selection, page faults
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or not calls:
+        F.linear(x, weight)
+        calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return calls * 2 * size**3 / elapsed
+
+
 def _compute(device: torch.device) -> dict[str, float]:
-    from paralm.hardware import measure_matmul_flops
 
     cuda = device.type == "cuda"
     dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
     dtype = "bf16" if cuda else "fp32"
-    measured = {f"peak_{d}": measure_matmul_flops(device, d, size=sizes[-1]) for d in dtypes if d != dtype}
+    measured = {f"peak_{d}": _sustained_flops(device, d, sizes[-1], seconds=0.5) for d in dtypes if d != dtype}
     # The curve's sizes in alternating rounds, each keeping its best: a disturbance from other processes
-    # then lowers one trial of one size, not a whole size, nor the peak the others are divided by.
+    # then lowers one round of one size, not a whole size, nor the peak the others are divided by.
     best = dict.fromkeys(sizes, 0.0)
     for _ in range(GEMM_ROUNDS):
         for n in sizes:
-            best[n] = max(best[n], measure_matmul_flops(device, dtype, size=n, seconds=0.15))
+            best[n] = max(best[n], _sustained_flops(device, dtype, n, seconds=0.15))
     measured[f"peak_{dtype}"] = max(best.values())
     measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in best.items()}
     one = torch.ones(1, device=device)

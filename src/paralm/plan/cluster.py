@@ -55,6 +55,9 @@ class Cluster:
     # have their own engines (NCCL on GPUs, the presets' assumption); CPU cores shared with gloo's
     # threads hide less, or none when the workers oversubscribe the cores.
     comm_overlap: float = 1.0
+    # Seconds a blocking collective between compute adds beyond its transfer: the ranks' skew, as
+    # other work on shared cores delays one of them (0 on dedicated GPUs, the presets' assumption).
+    sync_cost: float = 0.0
     source: str = field(default="", compare=False)  # where the figures come from
 
     @property
@@ -221,6 +224,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
     if min(cluster.reduce_scatter_factor, cluster.all_gather_factor) <= 0 or not 0 <= cluster.comm_overlap <= 1:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
+    if cluster.sync_cost < 0:
+        raise UserError(f"{path}: sync_cost must be at least 0 seconds")
     sizes, effs = [p[0] for p in curve], [p[1] for p in curve]
     if not curve or sizes != sorted(set(sizes)) or effs != sorted(effs) or not 0 < effs[0] <= effs[-1] <= 1:
         raise UserError(

@@ -6,7 +6,8 @@ Stated assumptions:
   weight matmuls twice (input and weight gradients), attention and elementwise work twice; recomputed
   blocks run their forward again;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
-  forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path;
+  forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path,
+  each also waiting for the slowest rank it joins (`Cluster.sync_cost`, measured by calibrate);
 - ZeRO as paralm implements it: ZeRO-1 reduce-scatters the accumulated gradients after backward (not
   overlapped) and all-gathers the updated parameters, DDP's bytes; ZeRO-2/3 reduce gradients once per
   step after the last micro-step, or after every one with `Workload.sharded_accumulation`;
@@ -85,6 +86,7 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     tp_link = cluster.link(*group_strides(layout)["tp"])
     # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec. 4.2.2).
     all_reduce = comm.all_reduce(layout.pipeline_batch * shape.block_size * shape.d_model * e, t, tp_link)
+    all_reduce += cluster.sync_cost if t > 1 else 0.0  # each one waits for the slowest rank of the group
     return _MicroBatch(
         f=rank.layers * forward + head,
         r=recomputed * forward,
@@ -109,7 +111,8 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
     if p > 1:
         seq_split = layout.tp if layout.sequence_parallel else 1
         activation = layout.pipeline_batch * shape.block_size * shape.d_model * work.element_bytes / seq_split
-        send = v * comm.p2p(activation, cluster.link(*group_strides(layout)["pp"]))  # one per chunk boundary
+        # one per chunk boundary, each waiting for the peer stage
+        send = v * (comm.p2p(activation, cluster.link(*group_strides(layout)["pp"])) + cluster.sync_cost)
     forward = mb.f + mb.tp_f + send
     backward = mb.r + mb.b_in + mb.w + mb.tp_b + send
     bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w)
