@@ -29,7 +29,6 @@ import json
 import os
 import resource
 import socket
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,9 +42,9 @@ import torch.nn.functional as F
 
 from paralm.dtypes import torch_dtype
 from paralm.plan.cluster import Cluster
+from paralm.plan.collectives import fastest, measure_collectives
 from paralm.plan.timing import optimizer_bytes_per_param
 
-MESSAGE_BYTES = (4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
@@ -119,10 +118,7 @@ def _communication_worker(rank: int, workers: int, threads: int, folder: str) ->
         torch.cuda.set_device(device)
     torch.set_num_threads(threads)
     dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=workers)
-    measured = _all_reduce(device, workers)
-    measured |= _sharded_collectives(device, workers, measured)
-    measured["comm_overlap"] = _overlap(device)
-    measured["sync_cost"] = _sync_cost(device)
+    measured = measure_collectives(device, workers)
     if rank == 0:
         (Path(folder) / "communication.json").write_text(json.dumps(measured))
     dist.barrier()
@@ -148,103 +144,6 @@ def _runtime_bytes(device: torch.device) -> float:
         free, total = torch.cuda.mem_get_info(device)
         return float(total - free)  # the context and libraries, before any tensor
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The fastest of `repeats` calls after one warm-up: like `measure_matmul_flops`, the figure other
-    processes on a shared machine disturb least (a fixed count: collectives must match on every rank)."""
-    fn()
-    return min(_seconds(fn, device) for _ in range(repeats))
-
-
-def _seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """One call's wall time, the device's queued work included."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def _all_reduce(device: torch.device, n: int) -> dict[str, float]:
-    """Ring model T(S) = 2(n-1) alpha + 2(n-1)/n S / beta, on the workers' own transport."""
-    seconds = {}
-    for size in MESSAGE_BYTES:
-        tensor = torch.ones(size // 4, device=device)
-        seconds[size] = _timed(lambda t=tensor: dist.all_reduce(t), device, repeats=20)
-    small, (mid, large) = MESSAGE_BYTES[0], MESSAGE_BYTES[-2:]
-    return {
-        "allreduce_latency": seconds[small] / (2 * (n - 1)),
-        "allreduce_bandwidth": 2 * (n - 1) / n * (large - mid) / max(seconds[large] - seconds[mid], 1e-9),
-    }
-
-
-def _sharded_collectives(device: torch.device, n: int, ring: dict[str, float]) -> dict[str, float]:
-    """Reduce-scatter and all-gather of the largest message, over the ring model's time for it."""
-    size = MESSAGE_BYTES[-1]
-    model = (n - 1) * ring["allreduce_latency"] + (n - 1) / n * size / ring["allreduce_bandwidth"]
-    shard = torch.ones(size // 4 // n, device=device)
-    whole = torch.ones(shard.numel() * n, device=device)
-    scatter = _timed(lambda: dist.reduce_scatter_single(shard, whole), device, repeats=10)
-    gather = _timed(lambda: dist.all_gather_single(whole, shard), device, repeats=10)
-    return {"reduce_scatter_factor": scatter / model, "all_gather_factor": gather / model}
-
-
-def _overlap(device: torch.device, rounds: int = 9) -> float:
-    """Fraction of an all-reduce's time hidden by matmuls run while it is in flight: (compute alone +
-    all-reduce alone - both together) / the shorter, each the median of alternating rounds."""
-    message = torch.ones(MESSAGE_BYTES[-1] // 4, device=device)
-    a = torch.randn(512, 512, device=device)
-    alone = _timed(lambda: dist.all_reduce(message), device, repeats=3)
-    per_matmul = _timed(lambda: a @ a, device, repeats=3)
-    matmuls = max(1, round(alone / per_matmul))
-
-    def compute() -> None:
-        for _ in range(matmuls):
-            a @ a
-
-    def both() -> None:
-        work = dist.all_reduce(message, async_op=True)
-        compute()
-        work.wait()
-
-    both()  # warm-up
-    runs: list[list[float]] = [[], [], []]
-    for _ in range(rounds):
-        for times, fn in zip(runs, (compute, lambda: dist.all_reduce(message), both), strict=True):
-            dist.barrier()
-            times.append(_seconds(fn, device))
-    c, m, together = (statistics.median(times) for times in runs)
-    return min(1.0, max(0.0, (c + m - together) / min(c, m)))
-
-
-def _sync_cost(device: torch.device, rounds: int = 15) -> float:
-    """What a blocking collective costs between bursts of compute beyond the two alone (medians of
-    alternating rounds): the wait for the slowest rank, as tensor and pipeline parallelism meet it."""
-    message = torch.ones(MESSAGE_BYTES[-3] // 4, device=device)
-    a = torch.randn(256, 256, device=device)
-
-    def compute() -> None:
-        for _ in range(8):
-            a @ a
-
-    def exchange() -> None:
-        dist.all_reduce(message)
-
-    def both() -> None:
-        compute()
-        exchange()
-
-    both()  # warm-up
-    runs: list[list[float]] = [[], [], []]
-    for _ in range(rounds):
-        for times, fn in zip(runs, (compute, exchange, both), strict=True):
-            dist.barrier()
-            times.append(_seconds(fn, device))
-    c, m, together = (statistics.median(times) for times in runs)
-    return max(0.0, together - c - m)
 
 
 def _sustained_flops(device: torch.device, dtype: str, size: int, seconds: float) -> float:
@@ -281,7 +180,7 @@ def _compute(device: torch.device) -> dict[str, float]:
     measured[f"peak_{dtype}"] = max(best.values())
     measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in best.items()}
     one = torch.ones(1, device=device)
-    measured["kernel_latency"] = _timed(lambda: one.add_(1.0), device, repeats=50)
+    measured["kernel_latency"] = fastest(lambda: one.add_(1.0), device, repeats=50)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -293,7 +192,7 @@ def _compute(device: torch.device) -> dict[str, float]:
         optimizer.step()
 
     moved = OPTIMIZER_PARAMS * optimizer_bytes_per_param("fp32", "paper", optimizer_slots=2)
-    measured["memory_bandwidth"] = moved / _timed(optimizer_step, device, repeats=10)
+    measured["memory_bandwidth"] = moved / fastest(optimizer_step, device, repeats=10)
     return measured
 
 
