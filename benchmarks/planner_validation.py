@@ -1,6 +1,7 @@
 """The planner against our own runs: predicted vs measured model-state bytes, peak memory and step time.
 
     python benchmarks/planner_validation.py [--steps 12] [--runs tiny-1 tiny-ddp2 ...]
+                                            [--clusters DIR] [--measured FILE.json]
 
 For each run in RUNS, `paralm calibrate` first measures this machine for its process count (right
 before the run, since the machine's load drifts; `--clusters DIR` keeps and reuses the files), then
@@ -203,49 +204,70 @@ def predict(run: Run, cluster: Path) -> dict[str, float]:
     return json.loads(out)[0]
 
 
+def measure(run: Run, steps: int, threads: int, folder: Path) -> dict[str, float]:
+    """What `run` measured: model states, live and kept peak memory, fastest and median step time."""
+    rows = train(run, steps, threads, folder)
+    live = train(run, 4, threads, folder, RETURN_FREED_MEMORY)
+    times = sorted(row["step_time_s"] for row in rows)
+    return {
+        "states": sum(rows[-1].get(k, 0) for k in STATE_KEYS),
+        "peak": max(row["peak_mem_bytes"] for row in live),
+        "kept": max(row["peak_mem_bytes"] for row in rows),
+        "fastest": times[0],
+        "median": times[len(times) // 2],
+        "load": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--runs", nargs="+", default=[r.name for r in RUNS], choices=[r.name for r in RUNS])
     parser.add_argument("--clusters", type=Path, help="folder for (or with) cluster-N.toml; default: temporary")
+    parser.add_argument(
+        "--measured",
+        type=Path,
+        help="JSON of measured runs: those in it are priced again without training (to re-check a changed "
+        "cost model against the same runs); runs measured now are added to it",
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    known = json.loads(args.measured.read_text()) if args.measured and args.measured.exists() else {}
     rows, done, predicted_s, measured_s = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.clusters or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         for run in (r for r in RUNS if r.name in args.runs):
             cluster = calibrate(run.nproc, folder, reuse=args.clusters is not None)
-            threads = max(1, cores // run.nproc)
-            steps = train(run, args.steps, threads, Path(tmp))
-            live = train(run, 4, threads, Path(tmp), RETURN_FREED_MEMORY)
-            predicted = predict(run, cluster)
-            states = [sum(source.get(k, 0) for k in STATE_KEYS) for source in (predicted, steps[-1])]
-            peak = (predicted["mem_bytes_per_device"], max(row["peak_mem_bytes"] for row in live))
-            kept = max(row["peak_mem_bytes"] for row in steps)
-            times = sorted(row["step_time_s"] for row in steps)
+            if run.name not in known:
+                known[run.name] = measure(run, args.steps, max(1, cores // run.nproc), Path(tmp))
+                if args.measured:
+                    args.measured.write_text(json.dumps(known, indent=1))
+            measured, predicted = known[run.name], predict(run, cluster)
+            states = sum(predicted.get(k, 0) for k in STATE_KEYS), measured["states"]
+            peak = predicted["mem_bytes_per_device"], measured["peak"]
             done.append(run)
             predicted_s.append(predicted["step_time_s"])
-            measured_s.append(times[0])
+            measured_s.append(measured["fastest"])
             rows.append(
                 [
                     run.name,
                     str(run.nproc),
                     f"{states[0] / 2**20:.2f}",
-                    # parameter-server workers do not count their model states (only peak memory)
-                    f"{states[1] / 2**20:.2f}" if states[1] else "-",
-                    f"{states[0] / states[1]:.3f}" if states[1] else "-",
+                    f"{states[1] / 2**20:.2f}",
+                    f"{states[0] / states[1]:.3f}",
                     f"{peak[0] / 2**20:.0f}",
                     f"{peak[1] / 2**20:.0f}",
                     f"{peak[0] / peak[1]:.2f}",
-                    f"{kept / 2**20:.0f}",
+                    f"{measured['kept'] / 2**20:.0f}",
                     f"{1e3 * predicted['step_time_s']:.1f}",
-                    f"{1e3 * times[0]:.1f}",
-                    f"{1e3 * times[len(times) // 2]:.1f}",
-                    f"{predicted['step_time_s'] / times[0]:.2f}",
+                    f"{1e3 * measured['fastest']:.1f}",
+                    f"{1e3 * measured['median']:.1f}",
+                    f"{predicted['step_time_s'] / measured['fastest']:.2f}",
+                    f"{measured['load']:.1f}",
                 ]
             )
-            print(" | ".join(rows[-1]), f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
     print_table(
         [
             "run",
@@ -261,6 +283,7 @@ def main() -> None:
             "fastest",
             "median",
             "pred/fastest",
+            "load after",
         ],
         rows,
     )

@@ -43,7 +43,7 @@ class Cluster:
     inter_bandwidth: float  # bytes/s per device per direction, between nodes
     inter_latency: float  # seconds per ring step between nodes
     memory_bandwidth: float  # bytes/s of device memory: prices memory-bound kernels and the optimizer step
-    # (geometric-mean matmul dimension, fraction of peak) points, ascending and non-decreasing: see `kernels`
+    # (square matmul dimension, fraction of peak) points, ascending and non-decreasing: see `kernels`
     gemm_efficiency: tuple[tuple[float, float], ...]
     kernel_latency: float  # seconds a kernel takes however small: launch and synchronisation
     runtime_bytes: float  # per-device memory taken before any tensor: context, workspaces, margin
@@ -153,7 +153,7 @@ def _dgx(
     )
 
 
-# Dense 16-bit matmul efficiency by size, (geometric-mean dimension, fraction of the datasheet peak).
+# Dense 16-bit matmul efficiency by size, (square matmul dimension, fraction of the datasheet peak).
 # Published bound: the best bf16 matmul found by a brute-force search over shapes ("maximum achievable
 # matmul FLOPS", S. Bekman, Machine Learning Engineering, compute/accelerator, measured with CUDA 12.1)
 # is 267.9 of 312 TFLOP/s on an A100 SXM (85.9%) and 792.1 of 989 on an H100 SXM (80.1%). A model's

@@ -1,8 +1,8 @@
 """Seconds of the kernels one transformer block runs on one device: a roofline per kernel.
 
 A matmul of (M x K) by (K x N) takes the longer of its FLOPs at the device's peak times an efficiency
-that depends on its size (`Cluster.gemm_efficiency`, interpolated at the geometric mean of M, N, K:
-small and thin matrices keep few tensor cores busy) and its bytes at the memory bandwidth, plus one
+that depends on its size (`Cluster.gemm_efficiency`, interpolated at the smallest of M, N, K: small
+and thin matrices keep few tensor cores busy) and its bytes at the memory bandwidth, plus one
 kernel launch (`Cluster.kernel_latency`). Elementwise work (LayerNorm, GELU, residual adds, the loss's
 softmax) is memory-bound: its bytes over the bandwidth, plus a launch per kernel. Attention is the
 fused kernel paralm's model calls (torch's scaled_dot_product_attention): two batched matmuls per
@@ -22,7 +22,7 @@ ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GEL
 
 
 def efficiency(cluster: Cluster, size: float) -> float:
-    """Fraction of peak a matmul of geometric-mean dimension `size` reaches: log-linear between the
+    """Fraction of peak a matmul of dimension `size` (see `matmul`) reaches: log-linear between the
     calibrated points, flat beyond the ends."""
     points = cluster.gemm_efficiency
     sizes = [p[0] for p in points]
@@ -35,10 +35,22 @@ def efficiency(cluster: Cluster, size: float) -> float:
     return e0 + (e1 - e0) * math.log(size / s0) / math.log(s1 / s0)
 
 
-def matmul(cluster: Cluster, dtype: str, m: float, n: float, k: float, element_bytes: int, count: float = 1) -> float:
-    """`count` matmuls of (m x k) by (k x n), batched into one kernel."""
+def matmul(
+    cluster: Cluster,
+    dtype: str,
+    m: float,
+    n: float,
+    k: float,
+    element_bytes: int,
+    count: float = 1,
+    size: float | None = None,
+) -> float:
+    """`count` matmuls of (m x k) by (k x n), batched into one kernel. Their efficiency is the curve's at
+    `size`, by default the smallest dimension: a thin matrix (a narrow layer, a small tensor-parallel
+    shard, few tokens) keeps the device as busy as a square one of its smallest side, since that side
+    bounds the arithmetic intensity and the tiles it fills."""
     flops = 2 * m * n * k * count
-    compute = flops / (cluster.peak(dtype) * efficiency(cluster, (m * n * k) ** (1 / 3)))
+    compute = flops / (cluster.peak(dtype) * efficiency(cluster, min(m, n, k) if size is None else size))
     memory = element_bytes * (m * k + k * n + m * n) * count / cluster.memory_bandwidth
     return max(compute, memory) + cluster.kernel_latency
 
@@ -60,7 +72,10 @@ def block_forward(
     linear = 4 * matmul(cluster, dtype, tokens, d / t, d, e)  # q, k, v, and out (d/t x d)
     linear += 2 * matmul(cluster, dtype, tokens, 4 * d / t, d, e)  # MLP up, and down (4d/t x d)
     head_dim = d // shape.n_head
-    attention = 2 * matmul(cluster, dtype, s, s, head_dim, e, count=sequences * shape.n_head / t)
+    # The fused kernel tiles queries and keys over the sequence and keeps its tiles on chip: the
+    # sequence, not the head dimension, sets how busy it keeps the device (the geometric mean stands in).
+    fused_size = (s * s * head_dim) ** (1 / 3)
+    attention = 2 * matmul(cluster, dtype, s, s, head_dim, e, count=sequences * shape.n_head / t, size=fused_size)
     seq_split = t if sp else 1
     # LayerNorms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP;
     # GELU reads and writes the 4h-wide activation, split by TP.
