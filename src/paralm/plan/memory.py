@@ -5,10 +5,11 @@ stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` ran
 follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, sec. 4),
 in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size.
 The total is a sum of every term alive at the start of backward, the peak of a training step.
-Model states are what a rank holds at the end of its last backward, before any sync paralm runs after
-it and before the optimizer step (what `paralm.train.memory` measures): ZeRO-1 still holds its whole
-local gradients there (its reduce-scatter follows backward); FSDP has already reduce-scattered its
-own, so gradients it accumulated unsharded between micro-steps are a buffer, not a state.
+Gradients in the model states are those the optimizer steps with, the ZeRO paper's accounting: a
+rank's shard under ZeRO-1/2/3. What a rank holds beyond them on the way is a buffer: ZeRO-1's whole
+local gradients until its reduce-scatter after backward (the trainer's meter, which reads gradients
+at the end of backward, counts them as states: 8 bytes per parameter more in fp32), and FSDP's
+unsharded gradients accumulated between micro-steps.
 """
 
 from __future__ import annotations
@@ -158,6 +159,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
     if layout.zero >= 2 and layout.dp_shard > 1:
         states = _fsdp_states(states, params, layout, work)
+    elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.parallel.zero1 keeps the averaged gradient shard
+        states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
@@ -207,6 +210,8 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
       plus one block's unsharded gradients before their reduce-scatter;
     - otherwise, under mixed precision with fp32 parameters, autocast's cache of 16-bit weights (one
       copy of the rank's parameters, alive through the forward).
+    - ZeRO-1 (paralm.parallel.zero1): the whole local gradients during backward, until their
+      reduce-scatter leaves the rank its shard (counted in the model states);
     - ZeRO-2/3 accumulating with sync off until the last micro-step (FSDP's default, unless
       `parallel.shard_grads_every_microstep`): the whole unsharded gradients between micro-steps,
       reduce-scattered to the shard (the model states) in the last backward;
@@ -216,6 +221,8 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
     accumulating = layout.zero >= 2 and layout.dp_shard > 1 and layout.grad_accum > 1
     unsharded_grads = params * grad_bytes if accumulating and not work.sharded_accumulation else 0.0
+    if layout.zero == 1:
+        unsharded_grads = params * grad_bytes * (1 - 1 / layout.dp_shard)
     if layout.zero >= 3:
         gathered = params if layout.pp > 1 else 2 * layer
         return unsharded_grads + gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]
