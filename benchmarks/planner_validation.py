@@ -13,7 +13,7 @@ best-of-N) predicts: on a shared machine other processes slow the median by what
 
 Peak memory is what the tensors need, as the CUDA allocator's peak is on GPU: on CPU the process's
 peak RSS in a second, shorter run in which glibc gives every freed block of 128 KiB or more back to
-the OS (`MALLOC_MMAP_THRESHOLD_`); by default glibc keeps freed blocks, which adds 10-50% to these
+the OS (`MALLOC_MMAP_THRESHOLD_`); by default glibc keeps freed blocks, which adds 4-55% to these
 runs' RSS and is shown beside it. Its prediction includes the calibrated runtime allowance. (The
 setting slows CPU training by 10-40%, so the step times come from the first run.)
 

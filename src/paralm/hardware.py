@@ -73,23 +73,28 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_matmul_flops(device: torch.device, dtype: str, size: int = 1024, seconds: float = 0.5) -> float:
-    """Best FLOP/s of a square matmul over repeated trials: the practical peak of this device.
+def measure_matmul_flops(
+    device: torch.device, dtype: str, size: int = 1024, seconds: float = 0.5, *, sustained: bool = False
+) -> float:
+    """FLOP/s of back-to-back square matmuls over `seconds`: the best call, the practical peak of this
+    device; or, `sustained`, all calls over their whole time, what a device keeps up while others run
+    too (workers that outnumber the cores share them, and one call can catch the cores alone).
 
     The matmul is the one `nn.Linear` runs, input times the transposed weight (`F.linear`): on a CPU
     without native bf16 the plain product of two bf16 matrices takes a path several times slower."""
     x = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
     weight = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
     F.linear(x, weight)  # warm-up: kernel selection, page faults
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        _synchronize(device)
-        start = time.perf_counter()
+    flops, calls, best = 2 * size**3, 0, 0.0
+    _synchronize(device)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds or not calls:
+        began = time.perf_counter()
         F.linear(x, weight)
         _synchronize(device)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
-    return best
+        calls += 1
+        best = max(best, flops / (time.perf_counter() - began))
+    return calls * flops / (time.perf_counter() - start) if sustained else best
 
 
 def _synchronize(device: torch.device) -> None:

@@ -30,7 +30,6 @@ import os
 import resource
 import socket
 import tempfile
-import time
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
@@ -38,9 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
-from paralm.dtypes import torch_dtype
 from paralm.plan.cluster import Cluster
 from paralm.plan.collectives import fastest, measure_collectives
 from paralm.plan.timing import optimizer_bytes_per_param
@@ -146,37 +143,20 @@ def _runtime_bytes(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
 
 
-def _sustained_flops(device: torch.device, dtype: str, size: int, seconds: float) -> float:
-    """FLOP/s of back-to-back square matmuls (as `nn.Linear` runs them) over `seconds`: what a device
-    sustains while the other devices run too. Not the best single call: workers that outnumber the
-    cores share them, and one call can catch the cores while the others wait."""
-    x = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
-    weight = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
-    F.linear(x, weight)  # warm-up: kernel selection, page faults
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or not calls:
-        F.linear(x, weight)
-        calls += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return calls * 2 * size**3 / elapsed
-
-
 def _compute(device: torch.device) -> dict[str, float]:
+    from paralm.hardware import measure_matmul_flops
 
     cuda = device.type == "cuda"
     dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
     dtype = "bf16" if cuda else "fp32"
-    measured = {f"peak_{d}": _sustained_flops(device, d, sizes[-1], seconds=0.5) for d in dtypes if d != dtype}
+    measured = {f"peak_{d}": measure_matmul_flops(device, d, sizes[-1], sustained=True) for d in dtypes if d != dtype}
     # The curve's sizes in alternating rounds, each keeping its best: a disturbance from other processes
     # then lowers one round of one size, not a whole size, nor the peak the others are divided by.
     best = dict.fromkeys(sizes, 0.0)
     for _ in range(GEMM_ROUNDS):
         for n in sizes:
-            best[n] = max(best[n], _sustained_flops(device, dtype, n, seconds=0.15))
+            best[n] = max(best[n], measure_matmul_flops(device, dtype, n, 0.15, sustained=True))
     measured[f"peak_{dtype}"] = max(best.values())
     measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in best.items()}
     one = torch.ones(1, device=device)

@@ -82,13 +82,7 @@ def _overlap(device: torch.device, rounds: int = 9) -> float:
         compute()
         work.wait()
 
-    both()  # warm-up
-    runs: list[list[float]] = [[], [], []]
-    for _ in range(rounds):
-        for times, fn in zip(runs, (compute, lambda: dist.all_reduce(message), both), strict=True):
-            dist.barrier()
-            times.append(seconds(fn, device))
-    c, m, together = (statistics.median(times) for times in runs)
+    c, m, together = _alternating_medians((compute, lambda: dist.all_reduce(message), both), device, rounds)
     return min(1.0, max(0.0, (c + m - together) / min(c, m)))
 
 
@@ -109,11 +103,17 @@ def _sync_cost(device: torch.device, rounds: int = 15) -> float:
         compute()
         exchange()
 
-    both()  # warm-up
-    runs: list[list[float]] = [[], [], []]
+    c, m, together = _alternating_medians((compute, exchange, both), device, rounds)
+    return max(0.0, together - c - m)
+
+
+def _alternating_medians(fns: tuple[Callable[[], object], ...], device: torch.device, rounds: int) -> list[float]:
+    """Each of `fns` timed once per round, in turn, all ranks starting together; the median of each
+    (after a warm-up of the last, which runs the others' work)."""
+    fns[-1]()
+    runs: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        for times, fn in zip(runs, (compute, exchange, both), strict=True):
+        for times, fn in zip(runs, fns, strict=True):
             dist.barrier()
             times.append(seconds(fn, device))
-    c, m, together = (statistics.median(times) for times in runs)
-    return max(0.0, together - c - m)
+    return [statistics.median(times) for times in runs]
