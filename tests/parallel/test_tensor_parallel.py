@@ -8,7 +8,7 @@ gradient norms of 5 AdamW steps (rounding grows a little through the updates).
 """
 
 import pytest
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer, train
@@ -35,12 +35,24 @@ def _shards_gradients_and_training(configs):
         "local_weights": {n: tuple(p.to_local().shape) for n, p in trainer.model.named_parameters() if "attn" in n},
         "tied": trainer.model.lm_head.weight is trainer.model.wte.weight,
     }
+    layout["partial_gradients"] = [_partial_gradients(config, runtime) for config in configs]
     results = []
     for config in configs:
         results.append(one_step(config, runtime))
         Trainer(config, runtime).fit()
     shutdown(runtime)
     return layout, results
+
+
+def _partial_gradients(config, runtime) -> list[str]:
+    """Parameters whose gradients are still pending sums after backward: each use would reduce them."""
+    trainer = Trainer(config, runtime)
+    trainer.forward_backward(trainer.micro_batches())
+    return [
+        name
+        for name, param in trainer.model.named_parameters()
+        if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements)
+    ]
 
 
 @pytest.mark.slow
@@ -58,6 +70,8 @@ def test_tensor_and_sequence_parallel_match_one_process_with_sharded_logits_and_
         assert layout["local_weights"]["blocks.0.attn.wq.weight"] == (d_model // 2, d_model)  # column-wise
         assert layout["local_weights"]["blocks.0.attn.wo.weight"] == (d_model, d_model // 2)  # row-wise
         assert layout["tied"]  # the embedding and head share one sharded weight
+        # SP's LayerNorm gradients are summed once after backward, not again at every use
+        assert layout["partial_gradients"] == [[], []]
     for i, config in enumerate(configs):
         for _, results in per_rank:  # both TP ranks hold the whole (replicated) loss and every gradient
             rank_loss, rank_grads = results[i]

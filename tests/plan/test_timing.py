@@ -155,9 +155,15 @@ def test_tensor_parallel_all_reduces_per_block() -> None:
     time = step_time(_layout(tp=t), _work(), NO_LATENCY)
     one = 2 * (t - 1) / t * tokens * SHAPE.d_model * 2 / H100.intra_bandwidth
     assert time.tp_comm_s == pytest.approx((4 * SHAPE.n_layer + 2) * one)
-    assert step_time(_layout(tp=t, sequence_parallel=True), _work(), NO_LATENCY).tp_comm_s == pytest.approx(
-        time.tp_comm_s
-    )
+    # SP: an all-gather and a reduce-scatter instead of each all-reduce, the same bytes; and one
+    # all-reduce of the replicated parameters' gradients (their ranks saw parts of the sequence)
+    sp = _layout(tp=t, sequence_parallel=True)
+    replicated = SHAPE.n_layer * SHAPE.layer_replicated_params + SHAPE.final_norm_params + SHAPE.position_params
+    norms = 2 * (t - 1) / t * replicated * 4 / H100.intra_bandwidth
+    assert step_time(sp, _work(), NO_LATENCY).tp_comm_s == pytest.approx(time.tp_comm_s + norms)
+    # ... at the backend's speed for each half: a reduce-scatter 3x the ring model's time (gloo's kind)
+    slow_scatter = dataclasses.replace(NO_LATENCY, reduce_scatter_factor=3.0)
+    assert step_time(sp, _work(), slow_scatter).tp_comm_s == pytest.approx(2 * time.tp_comm_s + norms)
 
 
 def test_blocking_collectives_wait_for_the_slowest_rank() -> None:
@@ -167,6 +173,11 @@ def test_blocking_collectives_wait_for_the_slowest_rank() -> None:
     extra = step_time(tp, _work(), waiting).tp_comm_s - step_time(tp, _work(), H100).tp_comm_s
     # 2 collectives per block forward, 2 backward, the embedding's and the head's
     assert extra == pytest.approx((4 * SHAPE.n_layer + 2) * 1e-3)
+    # SP: an all-gather and a reduce-scatter, two waits each; one more for the replicated gradients
+    sp = dataclasses.replace(tp, sequence_parallel=True)
+    assert step_time(sp, _work(), waiting).tp_comm_s - step_time(sp, _work(), H100).tp_comm_s == pytest.approx(
+        2 * extra + 1e-3
+    )
     pp = _layout(dp_shard=16, pp=4, pp_microbatches=4, micro_batch_size=4)
     extra = step_time(pp, _work(), waiting).pp_comm_s - step_time(pp, _work(), H100).pp_comm_s
     assert extra == pytest.approx(4 * 2 * 1e-3)  # each micro-batch's activation and its gradient

@@ -31,7 +31,7 @@ from paralm.parallel.runtime import Runtime
 from paralm.parallel.step import Batches, LossScale, PlainStep, StepRunner
 from paralm.parallel.straggler import straggle
 from paralm.parallel.sync import SyncStrategy
-from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank
+from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank, reduce_partial_gradients
 from paralm.parallel.zero1 import ZeroOne
 from paralm.rules import check_compile
 
@@ -51,7 +51,10 @@ class ParallelPlan:
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
-        return self.runner.forward_backward(batches, scale)
+        loss = self.runner.forward_backward(batches, scale)
+        if self.runtime.dims.tp > 1:
+            reduce_partial_gradients(self.model)
+        return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""

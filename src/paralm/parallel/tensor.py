@@ -15,7 +15,8 @@ Sequence parallel: LayerNorms, dropout and the residual stream are sharded along
 all-reduce becomes a reduce-scatter (after the row-wise projections) plus an all-gather (before the
 column-wise ones), the same bytes with activations 1/tp the size in between. The learned position
 embedding stays replicated (it is tiny) and each rank adds the slice of positions its sequence shard
-holds, as Megatron does.
+holds, as Megatron does. The LayerNorms' replicated weights then see only their rank's part of the
+sequence, so their gradients are partial sums: `reduce_partial_gradients` sums them once per step.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -74,6 +78,31 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     if tied:  # each style registered its own DTensor copy; both are Shard(0) over the vocabulary
         model.lm_head.weight = model.wte.weight
     return model
+
+
+def reduce_partial_gradients(model: nn.Module) -> None:
+    """Sum the gradients autograd left as pending partial sums, one all-reduce per mesh and layout.
+
+    DTensor reduces a `Partial` gradient lazily, at every use: clipping's norm and each of AdamW's
+    foreach ops, 4 blocking collectives per LayerNorm parameter per step under sequence parallelism,
+    where Megatron-LM reduces them once. After this they are `Replicate`, as their parameters are."""
+    pending: dict[tuple[DeviceMesh, tuple], list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements):
+            pending.setdefault((param.grad.device_mesh, param.grad.placements), []).append(param)
+    for (mesh, placements), params in pending.items():
+        replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
+        if any(p.is_partial() and p != Partial("sum") for p in placements):  # gloo has no average: DTensor's way
+            for param in params:
+                param.grad = param.grad.redistribute(placements=replicated)
+            continue
+        parts = [param.grad.to_local() for param in params]
+        flat = torch.cat([part.reshape(-1) for part in parts])  # on the gradients' (the group's) device
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        for param, part, summed in zip(params, parts, flat.split([part.numel() for part in parts]), strict=True):
+            param.grad = DTensor.from_local(summed.view_as(part), mesh, replicated, run_check=False)
 
 
 def loss_context(tp: int) -> contextlib.AbstractContextManager:

@@ -7,7 +7,8 @@ Stated assumptions:
   blocks run their forward again;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path,
-  each also waiting for the slowest rank it joins (`Cluster.sync_cost`, measured by calibrate);
+  each also waiting for the slowest rank it joins (`Cluster.sync_cost`, measured by calibrate; SP's
+  pair is two such waits), and with SP one all-reduce of the replicated parameters' gradients per step;
 - ZeRO as paralm implements it: ZeRO-1 reduce-scatters the accumulated gradients after backward (not
   overlapped) and all-gathers the updated parameters, DDP's bytes; ZeRO-2/3 reduce gradients once per
   step after the last micro-step, or after every one with `Workload.sharded_accumulation`;
@@ -84,9 +85,14 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     forward = block.linear + block.attention + block.elementwise
     recomputed = layout.checkpointed_blocks(rank.layers)
     tp_link = cluster.link(*group_strides(layout)["tp"])
-    # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec. 4.2.2).
-    all_reduce = comm.all_reduce(layout.pipeline_batch * shape.block_size * shape.d_model * e, t, tp_link)
-    all_reduce += cluster.sync_cost if t > 1 else 0.0  # each one waits for the slowest rank of the group
+    activation = layout.pipeline_batch * shape.block_size * shape.d_model * e
+    if layout.sequence_parallel and t > 1:
+        # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec.
+        # 4.2.2), at the backend's speed for each, and is two blocking collectives, not one.
+        all_reduce = comm.all_gather(activation, t, tp_link) + comm.reduce_scatter(activation, t, tp_link)
+        all_reduce += 2 * cluster.sync_cost  # each waits for the slowest rank of the group
+    else:
+        all_reduce = comm.all_reduce(activation, t, tp_link) + (cluster.sync_cost if t > 1 else 0.0)
     return _MicroBatch(
         f=rank.layers * forward + head,
         r=recomputed * forward,
@@ -123,13 +129,25 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
         compute_s=ga * m * (mb.f + mb.b_in + mb.w),
         recompute_s=ga * m * mb.r,
         bubble_s=ga * bubble,
-        tp_comm_s=ga * m * (mb.tp_f + mb.tp_b),
+        tp_comm_s=ga * m * (mb.tp_f + mb.tp_b) + _sequence_parallel_norms(layout, work, cluster),
         pp_comm_s=ga * m * 2 * send,
         dp_exposed_s=dp_exposed,
         embedding_sync_s=_embedding_sync(layout, work, cluster),
         optimizer_s=_optimizer(layout, work, cluster, params),
         dp_comm_s=dp_total,
     )
+
+
+def _sequence_parallel_norms(layout: Layout, work: Workload, cluster: Cluster) -> float:
+    """With SP the replicated parameters (LayerNorms, row-parallel biases, positions) see their rank's part
+    of the sequence: paralm sums their gradients over the tensor-parallel group once per step, in one
+    all-reduce (`paralm.parallel.tensor.reduce_partial_gradients`)."""
+    if not (layout.sequence_parallel and layout.tp > 1):
+        return 0.0
+    shape = work.shape
+    replicated = shape.n_layer * shape.layer_replicated_params + shape.final_norm_params + shape.position_params
+    link = cluster.link(*group_strides(layout)["tp"])
+    return comm.all_reduce(replicated * DTYPE_BYTES[work.reduce_dtype], layout.tp, link) + cluster.sync_cost
 
 
 def _data_parallel(
