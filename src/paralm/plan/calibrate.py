@@ -4,9 +4,9 @@
 between them), and every figure is measured with all of them running at once, because that is
 what each one gets during training:
 - the matmul efficiency curve: square matmuls of growing size in the training dtype (bf16 on CUDA,
-  fp32 on CPU), in alternating rounds, each size's best as a fraction of the best of all (that
-  dtype's peak), made non-decreasing (a smaller size that ran faster is noise: the cost model
-  assumes larger matrices run no slower);
+  fp32 on CPU), in alternating rounds with every worker starting each size at once, each size's
+  median as a fraction of the best of them (that dtype's peak), made non-decreasing (a smaller size that
+  ran faster is noise: the cost model assumes larger matrices run no slower);
 - the other dtypes' peaks: a large matmul, sustained;
 - kernel latency: the fastest tiny elementwise kernel;
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
@@ -29,9 +29,11 @@ import json
 import os
 import resource
 import socket
+import statistics
 import tempfile
 from collections.abc import Callable
 from datetime import date
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import torch
@@ -45,7 +47,7 @@ from paralm.plan.timing import optimizer_bytes_per_param
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
-GEMM_ROUNDS = 3
+GEMM_ROUNDS = 5
 
 
 def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> Cluster:
@@ -61,7 +63,8 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> C
         os.environ["MASTER_PORT"] = str(_free_port())
         # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
         mp.spawn(_communication_worker, args=(workers, threads, tmp), nprocs=workers, join=True)
-        mp.spawn(_compute_worker, args=(devices, threads, tmp), nprocs=devices, join=True)
+        together = mp.get_context("spawn").Barrier(devices)
+        mp.spawn(_compute_worker, args=(devices, threads, tmp, together), nprocs=devices, join=True)
         measured = {
             **json.loads((Path(tmp) / "communication.json").read_text()),
             **json.loads((Path(tmp) / "compute.json").read_text()),
@@ -122,7 +125,7 @@ def _communication_worker(rank: int, workers: int, threads: int, folder: str) ->
     dist.destroy_process_group()
 
 
-def _compute_worker(rank: int, devices: int, threads: int, folder: str) -> None:
+def _compute_worker(rank: int, devices: int, threads: int, folder: str, together: Barrier) -> None:
     """The devices measure at once, sharing the machine as in training; rank 0 reports."""
     import paralm.train.trainer  # noqa: F401 - what a training worker imports: the runtime allowance
 
@@ -130,7 +133,7 @@ def _compute_worker(rank: int, devices: int, threads: int, folder: str) -> None:
     device = torch.device("cuda", rank) if rank < torch.cuda.device_count() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    measured = {"runtime_bytes": _runtime_bytes(device), **_compute(device)}
+    measured = {"runtime_bytes": _runtime_bytes(device), **_compute(device, together.wait)}
     if rank == 0:
         measured["memory_bytes"] = _memory_bytes(device, devices)
         (Path(folder) / "compute.json").write_text(json.dumps(measured))
@@ -143,23 +146,33 @@ def _runtime_bytes(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
 
 
-def _compute(device: torch.device) -> dict[str, float]:
+def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, float]:
+    """Compute figures; `together` returns when every worker is ready for the next measurement: all
+    run the same matmul at the same time, as training's ranks do (otherwise a worker that starts early
+    or finishes late measures cores the others leave it, and the figures add up to more than the machine)."""
     from paralm.hardware import measure_matmul_flops
 
     cuda = device.type == "cuda"
     dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
     dtype = "bf16" if cuda else "fp32"
-    measured = {f"peak_{d}": measure_matmul_flops(device, d, sizes[-1], sustained=True) for d in dtypes if d != dtype}
-    # The curve's sizes in alternating rounds, each keeping its best: a disturbance from other processes
-    # then lowers one round of one size, not a whole size, nor the peak the others are divided by.
-    best = dict.fromkeys(sizes, 0.0)
+    measured = {}
+    for other in (d for d in dtypes if d != dtype):
+        together()
+        measured[f"peak_{other}"] = measure_matmul_flops(device, other, sizes[-1], sustained=True)
+    # The curve's sizes in alternating rounds, each size's median: a disturbance from other processes
+    # then moves one round of one size, not a whole size, nor the peak the others are divided by. (The
+    # best round would be the luckiest share of the cores: 20% over the fair share with 4 workers on 2.)
+    rates: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(GEMM_ROUNDS):
         for n in sizes:
-            best[n] = max(best[n], measure_matmul_flops(device, dtype, n, 0.15, sustained=True))
-    measured[f"peak_{dtype}"] = max(best.values())
-    measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in best.items()}
+            together()
+            rates[n].append(measure_matmul_flops(device, dtype, n, 0.15, sustained=True))
+    typical = {n: statistics.median(r) for n, r in rates.items()}
+    measured[f"peak_{dtype}"] = max(typical.values())
+    measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in typical.items()}
     one = torch.ones(1, device=device)
+    together()
     measured["kernel_latency"] = fastest(lambda: one.add_(1.0), device, repeats=50)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
@@ -171,6 +184,7 @@ def _compute(device: torch.device) -> dict[str, float]:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
+    together()
     moved = OPTIMIZER_PARAMS * optimizer_bytes_per_param("fp32", "paper", optimizer_slots=2)
     measured["memory_bandwidth"] = moved / fastest(optimizer_step, device, repeats=10)
     return measured
