@@ -4,7 +4,8 @@
                                             [--clusters DIR] [--measured FILE.json]
 
 For each run in RUNS, `paralm calibrate` first measures this machine for its process count (right
-before the run, since the machine's load drifts; `--clusters DIR` keeps and reuses the files), then
+before the run, since the machine's load drifts; `--clusters DIR` keeps and reuses the files; a
+parameter server's servers compute nothing, so its workers are calibrated without them), then
 the run trains through `paralm train` as a user would, and `paralm plan` prices exactly its layout
 (every layout field fixed on the command line) with `--recipe fp32-master`, how paralm stores model
 states. Measured figures come from metrics.jsonl, over the steps after the first two: model states,
@@ -146,11 +147,15 @@ def fixed(run: Run) -> list[str]:
     return [arg for arg in FIXED if arg.split("=")[0] not in given]
 
 
-def calibrate(nproc: int, folder: Path, reuse: bool) -> Path:
-    path = folder / f"cluster-{nproc}.toml"
+def calibrate(run: Run, folder: Path, reuse: bool) -> Path:
+    """A cluster file for `run`'s processes; a parameter server's servers compute nothing, so the
+    workers are measured without them."""
+    servers = next((arg.split("=")[1] for arg in run.args if arg.startswith("--sync.ps_servers=")), "0")
+    path = folder / (f"cluster-{run.nproc}.toml" if servers == "0" else f"cluster-{run.nproc}-ps{servers}.toml")
     if not (reuse and path.exists()):
         subprocess.run(
-            [sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(nproc)],
+            [sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(run.nproc)]
+            + ["--ps-servers", servers],
             check=True,
             capture_output=True,
             text=True,
@@ -238,7 +243,7 @@ def main() -> None:
         folder = args.clusters or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         for run in (r for r in RUNS if r.name in args.runs):
-            cluster = calibrate(run.nproc, folder, reuse=args.clusters is not None)
+            cluster = calibrate(run, folder, reuse=args.clusters is not None)
             if run.name not in known:
                 known[run.name] = measure(run, args.steps, max(1, cores // run.nproc), Path(tmp))
                 if args.measured:

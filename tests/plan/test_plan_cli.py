@@ -83,6 +83,13 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], capsys) -> None:
     assert err.startswith("paralm: error:") and err.count("\n") == 1
 
 
+def test_calibrate_needs_a_worker_that_computes(tmp_path, capsys) -> None:
+    out = tmp_path / "cluster.toml"
+    assert main(["calibrate", "--out", str(out), "--devices", "2", "--ps-servers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--ps-servers 2" in err and err.count("\n") == 1 and not out.exists()
+
+
 def test_simulate_table_json_and_plot(capsys, tmp_path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "scaling.png"

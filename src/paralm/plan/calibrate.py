@@ -50,21 +50,24 @@ OPTIMIZER_PARAMS = 1 << 22
 GEMM_ROUNDS = 5
 
 
-def calibrate(devices: int, log: Callable[[str], None] = lambda line: None) -> Cluster:
+def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_servers: int = 0) -> Cluster:
+    """`ps_servers` of the devices will serve parameters and compute nothing (a parameter-server job):
+    the others measure compute without them, as they will train."""
     cuda = torch.cuda.is_available()
     workers = max(2, devices)
     threads = max(1, (os.cpu_count() or 1) // devices)
+    computing = devices - ps_servers
     log(
         f"calibrating {devices} device(s) ({'cuda' if cuda else f'cpu, {threads} thread(s) each'}), "
-        f"all-reduce over {workers} workers"
+        f"all-reduce over {workers} workers, compute on {computing}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
         # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
         mp.spawn(_communication_worker, args=(workers, threads, tmp), nprocs=workers, join=True)
-        together = mp.get_context("spawn").Barrier(devices)
-        mp.spawn(_compute_worker, args=(devices, threads, tmp, together), nprocs=devices, join=True)
+        together = mp.get_context("spawn").Barrier(computing)
+        mp.spawn(_compute_worker, args=(devices, threads, tmp, together), nprocs=computing, join=True)
         measured = {
             **json.loads((Path(tmp) / "communication.json").read_text()),
             **json.loads((Path(tmp) / "compute.json").read_text()),

@@ -45,6 +45,12 @@ def add_plan_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     calibrate.add_argument("--out", required=True, help="TOML file to write")
     calibrate.add_argument("--devices", type=int, default=2, help="local workers that share this machine")
+    calibrate.add_argument(
+        "--ps-servers",
+        type=int,
+        default=0,
+        help="of the devices, how many will serve parameters (sync.ps_servers) and compute nothing",
+    )
     calibrate.set_defaults(func=_calibrate)
 
 
@@ -144,7 +150,9 @@ def _calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"`paralm calibrate` measures the machine, not a model: drop {' '.join(overrides)}")
     if args.devices < 1:
         raise UserError(f"--devices {args.devices}: at least one")
-    cluster = calibrate(args.devices, log=lambda line: print(line, file=sys.stderr))
+    if not 0 <= args.ps_servers < args.devices:
+        raise UserError(f"--ps-servers {args.ps_servers}: 0 to {args.devices - 1} (--devices - 1), leaving a worker")
+    cluster = calibrate(args.devices, log=lambda line: print(line, file=sys.stderr), ps_servers=args.ps_servers)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(cluster.to_toml())
