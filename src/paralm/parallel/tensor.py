@@ -86,11 +86,12 @@ def reduce_partial_gradients(model: nn.Module) -> None:
     DTensor reduces a `Partial` gradient lazily, at every use: clipping's norm and each of AdamW's
     foreach ops, 4 blocking collectives per LayerNorm parameter per step under sequence parallelism,
     where Megatron-LM reduces them once. After this they are `Replicate`, as their parameters are."""
-    pending: dict[tuple[DeviceMesh, tuple], list[nn.Parameter]] = {}
+    pending: dict[tuple[DeviceMesh, tuple, torch.dtype], list[nn.Parameter]] = {}
     for param in model.parameters():
-        if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements):
-            pending.setdefault((param.grad.device_mesh, param.grad.placements), []).append(param)
-    for (mesh, placements), params in pending.items():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            pending.setdefault((grad.device_mesh, grad.placements, grad.dtype), []).append(param)
+    for (mesh, placements, _), params in pending.items():
         replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
         if any(p.is_partial() and p != Partial("sum") for p in placements):  # gloo has no average: DTensor's way
             for param in params:
