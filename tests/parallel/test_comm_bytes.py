@@ -69,3 +69,17 @@ def test_pipeline_sends_activations_and_sums_the_tied_embedding(tmp_path):
     # exchanges the stages' shapes
     assert rows[1] == 2 * 2 * activation + tied + NORM
     assert rows[0] > rows[1]
+
+
+def test_one_process_trains_without_the_counting_mode(tmp_path, monkeypatch):
+    """One process issues no collectives, so it does not pay the counter's per-operator dispatch mode;
+    its steps still report 0 bytes."""
+    from paralm.parallel.comm_stats import CommStats
+
+    def refuse(self):
+        raise AssertionError("the counting mode was entered by one process")
+
+    monkeypatch.setattr(CommStats, "counting", refuse)
+    config = tiny_config(tmp_path / "one", train={"steps": 2})
+    train(config)
+    assert [row["comm_bytes"] for row in read_metrics(config.run.dir)] == [0, 0]

@@ -7,6 +7,7 @@ on CPUs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -51,6 +52,12 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1 or self.forced
+
+    def counting(self) -> contextlib.AbstractContextManager:
+        """Count this rank's collectives (`CommStats.counting`). One process issues none, so it runs
+        without the counter: a dispatch mode that sees every operator, in Python (~10% of a small
+        model's step on a CPU)."""
+        return self.comm.counting() if self.distributed else contextlib.nullcontext()
 
     @property
     def data_parallel(self) -> bool:

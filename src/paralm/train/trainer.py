@@ -46,7 +46,7 @@ from paralm.train.step_metrics import StepMetrics
 def train(config: Config) -> None:
     runtime = init_runtime(config.parallel, servers=config.sync.servers)
     try:
-        with runtime.comm.counting():  # every collective from here on is counted (paralm.parallel.comm_stats)
+        with runtime.counting():  # every collective from here on is counted (paralm.parallel.comm_stats)
             if config.sync.mode == "parameter_server":
                 run_parameter_server(config, runtime, Trainer)
             else:
@@ -127,7 +127,7 @@ class Trainer:
         )
 
     def fit(self) -> None:
-        with StopSignals() as self.stop, self.runtime.comm.counting():  # SIGINT/SIGTERM: stop after a step all agree on
+        with StopSignals() as self.stop, self.runtime.counting():  # SIGINT/SIGTERM: stop after a step all agree on
             self._fit()
             self.checkpointer.wait()  # the last checkpoint is complete before the job ends
 
