@@ -154,8 +154,18 @@ def calibrate(run: Run, folder: Path, reuse: bool) -> Path:
     path = folder / (f"cluster-{run.nproc}.toml" if servers == "0" else f"cluster-{run.nproc}-ps{servers}.toml")
     if not (reuse and path.exists()):
         subprocess.run(
-            [sys.executable, "-m", "paralm", "calibrate", "--out", str(path), "--devices", str(run.nproc)]
-            + ["--ps-servers", servers],
+            [
+                sys.executable,
+                "-m",
+                "paralm",
+                "calibrate",
+                "--out",
+                str(path),
+                "--devices",
+                str(run.nproc),
+                "--ps-servers",
+                servers,
+            ],
             check=True,
             capture_output=True,
             text=True,

@@ -93,7 +93,7 @@ def reduce_partial_gradients(model: nn.Module) -> None:
             pending.setdefault((grad.device_mesh, grad.placements, grad.dtype), []).append(param)
     for (mesh, placements, _), params in pending.items():
         replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
-        if any(p.is_partial() and p != Partial("sum") for p in placements):  # gloo has no average: DTensor's way
+        if any(p.is_partial() and p != Partial("sum") for p in placements):  # avg, max, ...: DTensor's own way
             for param in params:
                 param.grad = param.grad.redistribute(placements=replicated)
             continue

@@ -130,7 +130,7 @@ def calibration_path(devices: int) -> Path:
     return cache_dir() / f"cluster-{_machine()}-{devices}.toml"
 
 
-# Bumped when calibrate measures something new or otherwise, so that older cached files are measured again.
+# Bumped when what calibrate measures, or how, changes: older cached files are then measured again.
 CALIBRATION_VERSION = 3
 
 
