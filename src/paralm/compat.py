@@ -18,9 +18,22 @@ from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_gr
 
 # Intercepting every op `init_weights` runs on a sharded parameter (to replay it at full size):
 # `TorchDispatchMode` is documented but exported only from this module.
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-__all__ = ["TorchDispatchMode", "checkpoint_wrapper", "flatten_mesh", "replicate", "resolve_process_group"]
+__all__ = [
+    "TorchDispatchMode",
+    "checkpoint_wrapper",
+    "current_dispatch_mode",
+    "flatten_mesh",
+    "replicate",
+    "resolve_process_group",
+]
+
+
+def current_dispatch_mode() -> TorchDispatchMode | None:
+    """The innermost active dispatch mode. The byte counter (a mode) may be suspended only while it is
+    the innermost one, and `_get_current_dispatch_mode` is the only way to tell."""
+    return _get_current_dispatch_mode()
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -9,8 +9,11 @@ parameter's norm separately (one fp32 scalar per parameter).
 """
 
 import pytest
+import torch
 
 from paralm.model import GPT
+from paralm.parallel import comm_stats
+from paralm.parallel.parallelize import ParallelPlan
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
@@ -40,7 +43,8 @@ def _bytes(params) -> int:
 
 def test_ddp_all_reduces_every_gradient_once(tmp_path):
     rows, model, _ = _counted(tmp_path, "ddp")
-    assert rows[0] == 2 * _bytes(model.parameters())  # step 1 adds DDP's bucket rebuild
+    # (not DDP's one-time exchange of its rebuilt bucket order in step 1's forward: outside our hook)
+    assert rows == [2 * _bytes(model.parameters())] * 2
 
 
 def test_zero2_gathers_parameters_once_and_reduce_scatters_gradients(tmp_path):
@@ -83,3 +87,46 @@ def test_one_process_trains_without_the_counting_mode(tmp_path, monkeypatch):
     config = tiny_config(tmp_path / "one", train={"steps": 2})
     train(config)
     assert [row["comm_bytes"] for row in read_metrics(config.run.dir)] == [0, 0]
+
+
+def _matmuls_under_the_counter(config) -> int:
+    """Train; how many matmuls of the steps' forward and backward went through the counting mode."""
+    seen, inside = [], []
+    dispatch, forward_backward = comm_stats._Counter.__torch_dispatch__, ParallelPlan.forward_backward
+
+    def recording(self, func, types, args=(), kwargs=None):
+        if inside and func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            seen.append(func)
+        return dispatch(self, func, types, args, kwargs)
+
+    def marked(self, batches, scale):
+        inside.append(True)
+        try:
+            return forward_backward(self, batches, scale)
+        finally:
+            inside.pop()
+
+    comm_stats._Counter.__torch_dispatch__, ParallelPlan.forward_backward = recording, marked  # this rank only
+    train(config)
+    return len(seen)
+
+
+@pytest.mark.parametrize(
+    ("name", "sections", "outside"),
+    [
+        ("ddp", {}, True),
+        ("zero1", {"parallel": {"zero": 1}}, True),
+        ("local_sgd", {"sync": {"mode": "local_sgd", "local_steps": 1}}, True),
+        ("zero3", {"parallel": {"zero": 3}}, False),
+    ],
+)
+def test_the_counter_leaves_forward_and_backward_to_our_hooks(tmp_path, name, sections, outside):
+    """The counting mode costs a Python call per operator: DDP's, ZeRO-1's and local SGD's forward and
+    backward run without it (their collectives count themselves: the byte tests above still hold), FSDP's under
+    it (only the mode sees FSDP's collectives)."""
+    config = tiny_config(tmp_path / name, train={"steps": 2}, **sections)
+    seen = run_ranks(_matmuls_under_the_counter, 2, tmp_path, config)
+    if outside:
+        assert seen == [0, 0]
+    else:
+        assert min(seen) > 0

@@ -1,7 +1,8 @@
 """Gradient compression for DDP's all-reduce, as DDP communication hooks that count their bytes.
 
-- none: no hook; DDP's own reducer all-reduces every bucket on each synced backward (the byte
-  counter of `paralm.parallel.comm_stats` sees its all-reduces at the dispatcher).
+- none: PyTorch's `allreduce_hook` arithmetic (divide by the ranks, sum each bucket), counted where it is
+  issued, so a DDP step's forward and backward run without the byte counter's per-operator mode
+  (`paralm.parallel.comm_stats`); bitwise what DDP's built-in reducer does.
 - fp16: PyTorch's `fp16_compress_wrapper` around it: buckets travel as fp16.
 - bf16: the same cast to bf16. PyTorch's bf16 hook and wrapper are refused by DDP unless on NCCL,
   while gloo all-reduces bf16 fine, so the wrapper is our own.
@@ -84,9 +85,9 @@ class CompressedAllReduce(SyncStrategy):
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
 ) -> SyncStrategy:
-    """Install the configured hook (`none`: DDP's own reducer, whose all-reduces the byte counter sees);
-    returns the sync strategy that checkpoints the hook's state."""
+    """Install the configured hook; returns the sync strategy that checkpoints the hook's state."""
     if comm.compression == "none":
+        ddp.register_comm_hook(HookState(group, stats), allreduce_hook)
         return SyncStrategy()
     names = {p.data_ptr(): name for name, p in ddp.module.named_parameters()}
     state = HookState(group, stats, comm.topk_ratio)

@@ -8,6 +8,7 @@ step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,19 @@ class ParallelPlan:
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
-        loss = self.runner.forward_backward(batches, scale)
+        with self.runtime.comm.suspended() if self.collectives_are_ours else contextlib.nullcontext():
+            loss = self.runner.forward_backward(batches, scale)
         if self.runtime.dims.tp > 1:
             reduce_partial_gradients(self.model)
         return loss
+
+    @property
+    def collectives_are_ours(self) -> bool:
+        """Forward and backward communicate through paralm's calls only (DDP's reducer through our comm
+        hook), so they run without the byte counter's per-operator mode; FSDP2, DTensor (tensor
+        parallelism) and pipeline stages communicate from inside torch, which only that mode sees."""
+        dims = self.runtime.dims
+        return not uses_fsdp(self.config.parallel.zero, self.runtime.data_parallel) and dims.tp == dims.pp == 1
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
