@@ -74,18 +74,26 @@ def _cpu_name() -> str:
 
 
 def measure_matmul_flops(
-    device: torch.device, dtype: str, size: int = 1024, seconds: float = 0.5, *, sustained: bool = False
+    device: torch.device,
+    dtype: str,
+    size: int = 1024,
+    seconds: float = 0.5,
+    *,
+    sustained: bool = False,
+    rows: int | None = None,
 ) -> float:
-    """FLOP/s of back-to-back square matmuls over `seconds`: the best call, the practical peak of this
-    device; or, `sustained`, all calls over their whole time, what a device keeps up while others run
-    too (workers that outnumber the cores share them, and one call can catch the cores alone).
+    """FLOP/s of back-to-back matmuls of a (`rows` x `size`) input by a `size` x `size` weight (square by
+    default) over `seconds`: the best call, the practical peak of this device; or, `sustained`, all
+    calls over their whole time, what a device keeps up while others run too (workers that outnumber
+    the cores share them, and one call can catch the cores alone).
 
     The matmul is the one `nn.Linear` runs, input times the transposed weight (`F.linear`): on a CPU
     without native bf16 the plain product of two bf16 matrices takes a path several times slower."""
-    x = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
+    rows = rows or size
+    x = torch.randn(rows, size, device=device, dtype=torch_dtype(dtype))
     weight = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
     F.linear(x, weight)  # warm-up: kernel selection, page faults
-    flops, calls, best = 2 * size**3, 0, 0.0
+    flops, calls, best = 2 * rows * size**2, 0, 0.0
     _synchronize(device)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds or not calls:

@@ -56,12 +56,17 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     path = tmp_path / "cluster.toml"
     text = PRESETS["h100"].to_toml()
     older = "\n".join(
-        line for line in text.splitlines() if not line.startswith(("reduce_scatter", "all_gather", "comm_", "sync_"))
+        line
+        for line in text.splitlines()
+        if not line.startswith(("reduce_scatter", "all_gather", "comm_", "sync_", "gemm_shape"))
     )
     path.write_text(older)
-    assert load_cluster(path) == PRESETS["h100"]
+    assert load_cluster(path) == PRESETS["h100"]  # and an older file's curve was measured on squares
     path.write_text(text.replace("comm_overlap = 1.0", "comm_overlap = 1.5"))
     with pytest.raises(UserError, match="comm_overlap"):
+        load_cluster(path)
+    path.write_text(text.replace('gemm_shape = "square"', 'gemm_shape = "round"'))
+    with pytest.raises(UserError, match="gemm_shape must be one of square, thin"):
         load_cluster(path)
 
 

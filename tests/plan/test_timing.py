@@ -57,6 +57,28 @@ def test_elementwise_work_is_memory_bound_and_kernels_have_a_floor() -> None:
     assert block.elementwise == pytest.approx(kernels.ELEMENTWISE_KERNELS)
 
 
+def test_calibrate_divides_a_block_by_the_kernels_the_model_counts_in_it() -> None:
+    """`paralm calibrate` prices a CPU kernel as a tiny block's forward and backward over
+    `BLOCK_STEP_KERNELS`: the count must be the one the step time adds (plus the head's matmul and the
+    loss's 3 kernels, in forward, input and weight gradients)."""
+    floor = dataclasses.replace(IDEAL, kernel_latency=1.0)
+    time = step_time(_layout(micro_batch_size=64), _work(), floor)
+    assert time.compute_s == pytest.approx(SHAPE.n_layer * kernels.BLOCK_STEP_KERNELS + 3 * 4, rel=1e-3)
+
+
+def test_a_thin_matmul_curve_prices_attention_at_the_head_dimension() -> None:
+    """A curve measured on thin matrices is read at each matmul's smallest side, attention's tiles (s x hd
+    by hd x s) too; a square-GEMM curve at the tiles' equivalent square."""
+    square = dataclasses.replace(IDEAL, gemm_efficiency=((16.0, 0.1), (4096.0, 1.0)))
+    thin = dataclasses.replace(square, gemm_shape="thin")
+    hd, s = SHAPE.d_model // SHAPE.n_head, SHAPE.block_size
+    times = [kernels.block_forward(c, "bf16", SHAPE, 1, 1, False, 2).attention for c in (square, thin)]
+    assert times[1] / times[0] == pytest.approx(
+        kernels.efficiency(square, (s * s * hd) ** (1 / 3)) / kernels.efficiency(square, hd)
+    )
+    assert times[1] > times[0]
+
+
 def test_zero1_moves_what_ddp_moves_after_backward() -> None:
     """paralm's ZeRO-1 reduce-scatters fp32 gradients and all-gathers fp32 parameters after backward:
     DDP's ring all-reduce bytes, none of it hidden behind backward."""

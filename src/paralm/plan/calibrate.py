@@ -3,12 +3,19 @@
 `devices` local workers share the machine as `paralm train --nproc N` would (the cores split
 between them), and every figure is measured with all of them running at once, because that is
 what each one gets during training:
-- the matmul efficiency curve: square matmuls of growing size in the training dtype (bf16 on CUDA,
-  fp32 on CPU), in alternating rounds with every worker starting each size at once, each size's
-  median as a fraction of the best of them (that dtype's peak), made non-decreasing (a smaller size that
-  ran faster is noise: the cost model assumes larger matrices run no slower);
+- the matmul efficiency curve: matmuls whose smallest dimension grows, as the cost model reads the
+  curve (`paralm.plan.kernels`): a (R x n) input by an n x n weight, R the largest n, as a layer's
+  tokens stand beside its width or a tensor-parallel shard (on a 2-core CPU a 64 x 64 matmul ran at 26
+  GFLOP/s and a 2048 x 64 one at 61: a square one's call, not its arithmetic, takes the time), in the training
+  dtype (bf16 on CUDA, fp32 on CPU), in alternating rounds with every worker starting each size at once,
+  each size's median as a fraction of the best of them (that dtype's peak), made non-decreasing (a
+  smaller size that ran faster is noise: the cost model assumes larger matrices run no slower);
 - the other dtypes' peaks: a large matmul, sustained;
-- kernel latency: the fastest tiny elementwise kernel;
+- kernel latency: on a GPU the fastest tiny elementwise kernel (a launch: the host runs ahead of the
+  device); on a CPU, where the host's work is the device's, a transformer block of negligible
+  arithmetic, forward and backward as training runs them (autograd, views, dispatch), median of
+  rounds, over the kernels the cost model counts in them (on 2 cores: 32 us per kernel, where the
+  fastest tiny kernel takes 10);
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
@@ -40,8 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from paralm.model import Block, GPTConfig
 from paralm.plan.cluster import Cluster
-from paralm.plan.collectives import fastest, measure_collectives
+from paralm.plan.collectives import fastest, measure_collectives, seconds
+from paralm.plan.kernels import BLOCK_STEP_KERNELS
 from paralm.plan.timing import optimizer_bytes_per_param
 
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -94,6 +103,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         all_gather_factor=measured["all_gather_factor"],
         comm_overlap=measured["comm_overlap"],
         sync_cost=measured["sync_cost"],
+        gemm_shape="thin",
         source=f"paralm calibrate, {date.today()}, torch {torch.__version__}",
     )
 
@@ -170,13 +180,12 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     for _ in range(GEMM_ROUNDS):
         for n in sizes:
             together()
-            rates[n].append(measure_matmul_flops(device, dtype, n, 0.15, sustained=True))
+            rates[n].append(measure_matmul_flops(device, dtype, n, 0.15, sustained=True, rows=sizes[-1]))
     typical = {n: statistics.median(r) for n, r in rates.items()}
     measured[f"peak_{dtype}"] = max(typical.values())
     measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in typical.items()}
-    one = torch.ones(1, device=device)
     together()
-    measured["kernel_latency"] = fastest(lambda: one.add_(1.0), device, repeats=50)
+    measured["kernel_latency"] = _kernel_latency(device)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -191,6 +200,21 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     moved = OPTIMIZER_PARAMS * optimizer_bytes_per_param("fp32", "paper", optimizer_slots=2)
     measured["memory_bandwidth"] = moved / fastest(optimizer_step, device, repeats=10)
     return measured
+
+
+def _kernel_latency(device: torch.device) -> float:
+    """Seconds the cost model adds per kernel (see the module's docstring)."""
+    if device.type == "cuda":
+        one = torch.ones(1, device=device)
+        return fastest(lambda: one.add_(1.0), device, repeats=50)
+    block = Block(GPTConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=8))
+    x = torch.randn(1, 8, 8, requires_grad=True)
+
+    def forward_backward() -> None:
+        block(x).sum().backward()
+
+    forward_backward()
+    return statistics.median(seconds(forward_backward, device) for _ in range(50)) / BLOCK_STEP_KERNELS
 
 
 def _memory_bytes(device: torch.device, devices: int) -> float:

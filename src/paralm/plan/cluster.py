@@ -43,9 +43,12 @@ class Cluster:
     inter_bandwidth: float  # bytes/s per device per direction, between nodes
     inter_latency: float  # seconds per ring step between nodes
     memory_bandwidth: float  # bytes/s of device memory: prices memory-bound kernels and the optimizer step
-    # (square matmul dimension, fraction of peak) points, ascending and non-decreasing: see `kernels`
+    # (matmul dimension, fraction of peak) points, ascending and non-decreasing, read at a matmul's
+    # smallest dimension (`kernels`); measured on `gemm_shape` matmuls of that dimension
     gemm_efficiency: tuple[tuple[float, float], ...]
-    kernel_latency: float  # seconds a kernel takes however small: launch and synchronisation
+    # Seconds the cost model adds per kernel: a launch on a GPU (the host runs ahead of the device); on a
+    # CPU the host's work per kernel as training issues them (autograd, views, dispatch), calibrated so.
+    kernel_latency: float
     runtime_bytes: float  # per-device memory taken before any tensor: context, workspaces, margin
     # How much longer a reduce-scatter / all-gather takes than the ring model with the all-reduce's alpha
     # and beta: 1 for NCCL's ring kernels (the presets' assumption); gloo's run 2-3x longer on CPUs.
@@ -58,6 +61,9 @@ class Cluster:
     # Seconds a blocking collective between compute adds beyond its transfer: the ranks' skew, as
     # other work on shared cores delays one of them (0 on dedicated GPUs, the presets' assumption).
     sync_cost: float = 0.0
+    # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
+    # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
+    gemm_shape: str = "square"
     source: str = field(default="", compare=False)  # where the figures come from
 
     @property
@@ -198,6 +204,9 @@ def parse_cluster(spec: str) -> Cluster:
     return cluster.with_devices(int(count)) if count else cluster
 
 
+GEMM_SHAPES = ("square", "thin")
+
+
 def load_cluster(path: str | Path) -> Cluster:
     """A cluster from the `[cluster]` table of a TOML file, as `paralm calibrate` writes it."""
     from paralm.config import read_toml
@@ -226,6 +235,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
     if cluster.sync_cost < 0:
         raise UserError(f"{path}: sync_cost must be at least 0 seconds")
+    if cluster.gemm_shape not in GEMM_SHAPES:
+        raise UserError(f"{path}: gemm_shape must be one of {', '.join(GEMM_SHAPES)}, got {cluster.gemm_shape!r}")
     sizes, effs = [p[0] for p in curve], [p[1] for p in curve]
     if not curve or sizes != sorted(set(sizes)) or effs != sorted(effs) or not 0 < effs[0] <= effs[-1] <= 1:
         raise UserError(

@@ -19,6 +19,10 @@ from paralm.plan.cluster import Cluster
 from paralm.plan.shape import ModelShape
 
 ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GELU, 4 reshapes / casts
+# Kernels one block's forward and backward launch as `paralm.plan.timing` counts them: the six weight
+# matmuls three times (forward, input and weight gradients), attention's two and the elementwise ones
+# three times (forward, and twice in backward).
+BLOCK_STEP_KERNELS = 3 * (6 + 2 + ELEMENTWISE_KERNELS)
 
 
 def efficiency(cluster: Cluster, size: float) -> float:
@@ -46,9 +50,8 @@ def matmul(
     size: float | None = None,
 ) -> float:
     """`count` matmuls of (m x k) by (k x n), batched into one kernel. Their efficiency is the curve's at
-    `size`, by default the smallest dimension: a thin matrix (a narrow layer, a small tensor-parallel
-    shard, few tokens) keeps the device as busy as a square one of its smallest side, since that side
-    bounds the arithmetic intensity and the tiles it fills."""
+    `size`, by default the smallest dimension: it bounds the arithmetic intensity and the tiles a thin
+    matrix (a narrow layer, a small tensor-parallel shard, few tokens) fills."""
     flops = 2 * m * n * k * count
     compute = flops / (cluster.peak(dtype) * efficiency(cluster, min(m, n, k) if size is None else size))
     memory = element_bytes * (m * k + k * n + m * n) * count / cluster.memory_bandwidth
@@ -72,9 +75,10 @@ def block_forward(
     linear = 4 * matmul(cluster, dtype, tokens, d / t, d, e)  # q, k, v, and out (d/t x d)
     linear += 2 * matmul(cluster, dtype, tokens, 4 * d / t, d, e)  # MLP up, and down (4d/t x d)
     head_dim = d // shape.n_head
-    # The fused kernel tiles queries and keys over the sequence and keeps its tiles on chip: the
-    # sequence, not the head dimension, sets how busy it keeps the device (the geometric mean stands in).
-    fused_size = (s * s * head_dim) ** (1 / 3)
+    # The fused kernel multiplies tiles of queries and keys (s x hd by hd x s): a curve measured on thin
+    # matrices is read at their smallest side, hd, as every matmul's; a square-GEMM curve at the tiles'
+    # equivalent square (the geometric mean), since the sequence, not hd alone, fills the device.
+    fused_size = head_dim if cluster.gemm_shape == "thin" else (s * s * head_dim) ** (1 / 3)
     attention = 2 * matmul(cluster, dtype, s, s, head_dim, e, count=sequences * shape.n_head / t, size=fused_size)
     seq_split = t if sp else 1
     # LayerNorms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP;
