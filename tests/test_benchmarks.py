@@ -25,6 +25,7 @@ ARGS = {
         "--n-layer",
         "1",
     ],
+    "comm_counter.py": ["--steps", "1"],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],
     "planner_validation.py": ["--steps", "3", "--runs", "tiny-1"],

@@ -13,9 +13,9 @@ what each one gets during training:
 - the other dtypes' peaks: a large matmul, sustained;
 - kernel latency: on a GPU the fastest tiny elementwise kernel (a launch: the host runs ahead of the
   device); on a CPU, where the host's work is the device's, a transformer block of negligible
-  arithmetic, forward and backward as training runs them (autograd, views, dispatch), median of
-  rounds, over the kernels the cost model counts in them (on 2 cores: 32 us per kernel, where the
-  fastest tiny kernel takes 10);
+  arithmetic, forward and backward as training runs them (autograd, views, dispatch), sustained,
+  median of rounds, over the kernels the cost model counts in them (1 process on 2 cores: 32 us per
+  kernel, where the fastest tiny kernel takes 10);
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
@@ -38,6 +38,7 @@ import resource
 import socket
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import date
 from multiprocessing.synchronize import Barrier
@@ -49,7 +50,7 @@ import torch.multiprocessing as mp
 
 from paralm.model import Block, GPTConfig
 from paralm.plan.cluster import Cluster
-from paralm.plan.collectives import fastest, measure_collectives, seconds
+from paralm.plan.collectives import fastest, measure_collectives
 from paralm.plan.kernels import BLOCK_STEP_KERNELS
 from paralm.plan.timing import optimizer_bytes_per_param
 
@@ -184,8 +185,7 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     typical = {n: statistics.median(r) for n, r in rates.items()}
     measured[f"peak_{dtype}"] = max(typical.values())
     measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in typical.items()}
-    together()
-    measured["kernel_latency"] = _kernel_latency(device)
+    measured["kernel_latency"] = _kernel_latency(device, together)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -202,19 +202,26 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     return measured
 
 
-def _kernel_latency(device: torch.device) -> float:
-    """Seconds the cost model adds per kernel (see the module's docstring)."""
+def _kernel_latency(device: torch.device, together: Callable[[], object]) -> float:
+    """Seconds the cost model adds per kernel (see the module's docstring). On a CPU each round runs
+    the block for 0.1 s: one call (~2 ms) fits in a time slice of the scheduler, so timing calls alone
+    would miss that workers outnumbering the cores share them."""
+    together()
     if device.type == "cuda":
         one = torch.ones(1, device=device)
         return fastest(lambda: one.add_(1.0), device, repeats=50)
     block = Block(GPTConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=8))
     x = torch.randn(1, 8, 8, requires_grad=True)
-
-    def forward_backward() -> None:
-        block(x).sum().backward()
-
-    forward_backward()
-    return statistics.median(seconds(forward_backward, device) for _ in range(50)) / BLOCK_STEP_KERNELS
+    block(x).sum().backward()
+    rounds = []
+    for _ in range(GEMM_ROUNDS):
+        together()
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.1 or not calls:
+            block(x).sum().backward()
+            calls += 1
+        rounds.append((time.perf_counter() - start) / calls)
+    return statistics.median(rounds) / BLOCK_STEP_KERNELS
 
 
 def _memory_bytes(device: torch.device, devices: int) -> float:

@@ -1,0 +1,82 @@
+"""What paralm's byte counter costs a training step: the same steps inside and outside it, alternating.
+
+    python benchmarks/comm_counter.py [--ranks 2] [--steps 6] [--zero 0] [--threads 1]
+
+`Trainer.fit` runs every step inside `CommStats.counting()` (`paralm.parallel.comm_stats`), a
+dispatch mode that sees the operators it is not suspended for. Here `Trainer.train_step` runs on the
+tiny model (micro-batch 8 per rank) alternately inside it, as `paralm train` runs it, and outside it
+(nothing counted), after 3 warm-up steps; rank 0 prints the median of each and the counter's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+from common import print_table
+
+from paralm.config import Config
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.train.trainer import Trainer
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks)
+    )
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = Config.from_dict(
+            {
+                "run": {"dir": run_dir},
+                "train": {"steps": 3 + 2 * args.steps, "micro_batch_size": 8, "eval_every": 0},
+                "parallel": {"zero": args.zero},
+                "log": {"tensorboard": False, "progress": False},
+            }
+        )
+        runtime = init_runtime(config.parallel)
+        trainer = Trainer(config, runtime)
+        for _ in range(3):
+            trainer.train_step()
+            trainer.metrics.read_back()
+        seconds: dict[str, list[float]] = {"counted (as trained)": [], "not counted": []}
+        for _ in range(args.steps):
+            for name, times in seconds.items():
+                counter = runtime.comm.counting() if name.startswith("counted") else contextlib.nullcontext()
+                with counter:
+                    start = time.perf_counter()
+                    trainer.train_step()
+                    trainer.metrics.read_back()
+                    times.append(time.perf_counter() - start)
+        if runtime.is_main:
+            plain = statistics.median(seconds["not counted"])
+            rows = [
+                [name, f"{1e3 * statistics.median(t):.1f}", f"{statistics.median(t) / plain - 1:+.1%}"]
+                for name, t in seconds.items()
+            ]
+            print_table(["steps", "median ms", "vs not counted"], rows)
+        shutdown(runtime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="measured steps of each kind")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    parser.add_argument("--threads", type=int, default=1, help="per rank")
+    args = parser.parse_args()
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(args, port), nprocs=args.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
