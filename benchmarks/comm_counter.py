@@ -15,16 +15,11 @@ import contextlib
 import os
 import socket
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.multiprocessing as mp
-from common import print_table
-
-from paralm.config import Config
-from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train.trainer import Trainer
+from common import print_table, step, warm_trainer
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -32,37 +27,26 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks)
     )
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as run_dir:
-        config = Config.from_dict(
-            {
-                "run": {"dir": run_dir},
-                "train": {"steps": 3 + 2 * args.steps, "micro_batch_size": 8, "eval_every": 0},
-                "parallel": {"zero": args.zero},
-                "log": {"tensorboard": False, "progress": False},
-            }
-        )
-        runtime = init_runtime(config.parallel)
-        trainer = Trainer(config, runtime)
-        for _ in range(3):
-            trainer.train_step()
-            trainer.metrics.read_back()
+    sections = {
+        "train": {"steps": 3 + 2 * args.steps, "micro_batch_size": 8, "eval_every": 0},
+        "parallel": {"zero": args.zero},
+    }
+    with warm_trainer(sections, warmup_steps=3) as trainer:
+        counter = trainer.runtime.comm
         seconds: dict[str, list[float]] = {"counted (as trained)": [], "not counted": []}
         for _ in range(args.steps):
             for name, times in seconds.items():
-                counter = runtime.comm.counting() if name.startswith("counted") else contextlib.nullcontext()
-                with counter:
+                with counter.counting() if name.startswith("counted") else contextlib.nullcontext():
                     start = time.perf_counter()
-                    trainer.train_step()
-                    trainer.metrics.read_back()
+                    step(trainer)
                     times.append(time.perf_counter() - start)
-        if runtime.is_main:
+        if trainer.runtime.is_main:
             plain = statistics.median(seconds["not counted"])
             rows = [
                 [name, f"{1e3 * statistics.median(t):.1f}", f"{statistics.median(t) / plain - 1:+.1%}"]
                 for name, t in seconds.items()
             ]
             print_table(["steps", "median ms", "vs not counted"], rows)
-        shutdown(runtime)
 
 
 def main() -> None:

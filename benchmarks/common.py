@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from paralm.config import Config
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.train.trainer import Trainer
 
 
 def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: int = 2) -> dict[str, float]:
@@ -33,6 +40,26 @@ def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: i
     # a key is summarised when every row has a number for it (fp16 logs no grad norm on a skipped step)
     numeric = [key for key in rows[0] if key != "step" and all(isinstance(row.get(key), (int, float)) for row in rows)]
     return {key: statistics.median(row[key] for row in rows) for key in numeric}
+
+
+@contextlib.contextmanager
+def warm_trainer(sections: dict[str, Any], warmup_steps: int) -> Iterator[Trainer]:
+    """A `Trainer` in this process (the job the launcher's environment describes) on a temporary run
+    directory, after `warmup_steps` steps; the config's `train.steps` must leave room for the caller's."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        sections = {**sections, "run": {"dir": run_dir}, "log": {"tensorboard": False, "progress": False}}
+        runtime = init_runtime(Config.from_dict(sections).parallel)
+        trainer = Trainer(Config.from_dict(sections), runtime)
+        for _ in range(warmup_steps):
+            step(trainer)
+        yield trainer
+        shutdown(runtime)
+
+
+def step(trainer: Trainer) -> None:
+    """One training step, waiting for its metrics (as the logged steps do)."""
+    trainer.train_step()
+    trainer.metrics.read_back()
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:

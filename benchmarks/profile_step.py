@@ -11,14 +11,10 @@ clipping, optimizer, metrics), run after two warm-up steps. Prints the operators
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
+from common import step, warm_trainer
 from torch.profiler import ProfilerActivity, profile
-
-from paralm.config import Config
-from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train.trainer import Trainer
 
 MODEL = {"block_size": 256, "dropout": 0.0, "bias": True}
 
@@ -34,27 +30,14 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as run_dir:
-        config = Config.from_dict(
-            {
-                "run": {"dir": run_dir},
-                "model": MODEL
-                | {"d_model": args.d_model, "n_layer": args.n_layer, "n_head": max(1, args.d_model // 64)},
-                "train": {"steps": 2 + args.steps, "micro_batch_size": 12, "eval_every": 0, "compile": args.compile},
-                "precision": {"dtype": args.dtype},
-                "log": {"tensorboard": False, "progress": False},
-            }
-        )
-        runtime = init_runtime(config.parallel)
-        trainer = Trainer(config, runtime)
-        for _ in range(2):
-            trainer.train_step()
-            trainer.metrics.read_back()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(args.steps):
-                trainer.train_step()
-                trainer.metrics.read_back()
-        shutdown(runtime)
+    sections = {
+        "model": MODEL | {"d_model": args.d_model, "n_layer": args.n_layer, "n_head": max(1, args.d_model // 64)},
+        "train": {"steps": 2 + args.steps, "micro_batch_size": 12, "eval_every": 0, "compile": args.compile},
+        "precision": {"dtype": args.dtype},
+    }
+    with warm_trainer(sections, warmup_steps=2) as trainer, profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step(trainer)
     print(f"{args.dtype}, {args.threads} thread(s), {args.steps} steps profiled")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
