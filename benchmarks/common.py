@@ -47,9 +47,11 @@ def warm_trainer(sections: dict[str, Any], warmup_steps: int) -> Iterator[Traine
     """A `Trainer` in this process (the job the launcher's environment describes) on a temporary run
     directory, after `warmup_steps` steps; the config's `train.steps` must leave room for the caller's."""
     with tempfile.TemporaryDirectory() as run_dir:
-        sections = {**sections, "run": {"dir": run_dir}, "log": {"tensorboard": False, "progress": False}}
-        runtime = init_runtime(Config.from_dict(sections).parallel)
-        trainer = Trainer(Config.from_dict(sections), runtime)
+        config = Config.from_dict(
+            {**sections, "run": {"dir": run_dir}, "log": {"tensorboard": False, "progress": False}}
+        )
+        runtime = init_runtime(config.parallel)
+        trainer = Trainer(config, runtime)
         for _ in range(warmup_steps):
             step(trainer)
         yield trainer
