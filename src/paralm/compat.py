@@ -16,11 +16,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
 
+# The interfaces FSDP2's public `set_custom_all_gather` / `set_custom_reduce_scatter` take (paralm's
+# implementations count their bytes); torch 2.13 does not re-export them from `torch.distributed.fsdp`.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
 # Intercepting every op `init_weights` runs on a sharded parameter (to replay it at full size):
 # `TorchDispatchMode` is documented but exported only from this module.
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = [
+    "AllGather",
+    "ReduceScatter",
     "TorchDispatchMode",
     "checkpoint_wrapper",
     "current_dispatch_mode",

@@ -58,6 +58,24 @@ def test_zero3_gathers_the_blocks_again_in_backward(tmp_path):
     assert rows == [2 * every + blocks + _fsdp_norm(model)] * 2
 
 
+def test_hsdp_all_reduces_the_shards_across_replicas(tmp_path):
+    """4 ranks, 2 replicas of 2 shards, ZeRO-3: within each replica as ZeRO-3 on 2 ranks (twice the
+    ranks, twice the bytes), plus FSDP2's own all-reduce of each rank's gradient shard (B/2) between
+    replicas (counted by the hook FSDP2 calls after it); each parameter's norm is all-reduced over the
+    2 shards of each replica."""
+    config = tiny_config(
+        tmp_path / "hsdp",
+        train={"steps": 2, "optimizer": "sgd", "grad_clip": 1.0},
+        parallel={"zero": 3, "dp_replicate": 2, "dp_shard": 2},
+    )
+    run_ranks(_train, 4, tmp_path, config)
+    model = GPT(config.model)
+    every, blocks = _bytes(model.parameters()), _bytes(model.blocks.parameters())
+    within_replicas = 2 * (2 * every + blocks + _fsdp_norm(model))
+    between_replicas = 4 * (2 * (2 - 1) / 2 * every / 2)
+    assert [row["comm_bytes"] for row in read_metrics(config.run.dir)] == [within_replicas + between_replicas] * 2
+
+
 def test_local_sgd_averages_the_parameters_every_step(tmp_path):
     rows, model, _ = _counted(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 1})
     bad_step_flag = 2 * 4  # replicas' gradients differ: they agree on skipping a NaN step (one int32)
@@ -117,13 +135,14 @@ def _matmuls_under_the_counter(config) -> int:
         ("ddp", {}, True),
         ("zero1", {"parallel": {"zero": 1}}, True),
         ("local_sgd", {"sync": {"mode": "local_sgd", "local_steps": 1}}, True),
-        ("zero3", {"parallel": {"zero": 3}}, False),
+        ("zero3", {"parallel": {"zero": 3}}, True),
+        ("pp", {"parallel": {"pp": 2, "pp_microbatches": 2}}, False),
     ],
 )
 def test_the_counter_leaves_forward_and_backward_to_our_hooks(tmp_path, name, sections, outside):
-    """The counting mode costs a Python call per operator: DDP's, ZeRO-1's and local SGD's forward and
-    backward run without it (their collectives count themselves: the byte tests above still hold), FSDP's under
-    it (only the mode sees FSDP's collectives)."""
+    """The counting mode costs a Python call per operator: DDP's, ZeRO-1's, ZeRO-3's and local SGD's forward
+    and backward run without it (their collectives count themselves: the byte tests above still hold), a
+    pipeline's under it (only the mode sees its stages' sends)."""
     config = tiny_config(tmp_path / name, train={"steps": 2}, **sections)
     seen = run_ranks(_matmuls_under_the_counter, 2, tmp_path, config)
     if outside:

@@ -15,12 +15,14 @@ mode is active; its hook counts PowerSGD's own tally instead. The mode declares
 `ignore_compile_internals`, so `torch.compile` still compiles under it; compiled collectives reach
 the dispatcher at run time and are counted there.
 
-The mode's price is a Python call for every operator (~12% of a small model's step on 2 CPU ranks).
+The mode's price is a Python call for every operator (12–18% of a small model's step on 2 CPU ranks).
 Where every collective of some work is issued through this module's methods, each counting itself,
 the work runs with the mode suspended (`CommStats.suspended`): the forward and backward of layouts
-whose only communication there is DDP's reducer, whose comm hook is ours. Not counted then: DDP's
-one-time exchange of its rebuilt bucket order, in the second step's forward (152 bytes for the tiny
-model on 2 ranks).
+without tensor or pipeline parallelism, whose communication there is DDP's reducer (its comm hook is
+ours) or FSDP2's (its custom all-gather and reduce-scatter are ours, and the hook it calls after
+HSDP's all-reduce counts that, `count_all_reduce_issued_by_torch`). Not counted then: DDP's one-time
+exchange of its rebuilt bucket order, in the second step's forward (152 bytes for the tiny model on 2
+ranks).
 
 Conventions, per rank, for a group of P ranks and n bytes handed over by this rank:
 - all-reduce: a ring, 2(P-1)/P x n sent and as much received;
@@ -256,6 +258,31 @@ class CommStats:
         """`dist.all_gather`, counted here."""
         with self.counting():
             return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
+
+    def all_gather_single(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+    ) -> Any:
+        """`dist.all_gather_single` (into one tensor), counted here."""
+        with self.counting():
+            return dist.all_gather_single(output, tensor, group=group, async_op=async_op)
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp.RedOpType,
+        group: dist.ProcessGroup | None,
+        async_op: bool = False,
+    ) -> Any:
+        """`dist.reduce_scatter_single` (from one tensor), counted here."""
+        with self.counting():
+            return dist.reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
+
+    def count_all_reduce_issued_by_torch(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Count an all-reduce of `tensor` that torch issued itself (FSDP2's HSDP all-reduce, which takes
+        no custom collective) and that no counting mode saw (with one active, it was counted there)."""
+        if _active is None:
+            self.count(*RULES["all_reduce"][1](_nbytes(tensor), group.size(), False))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
         with self.counting():

@@ -61,10 +61,10 @@ class ParallelPlan:
     @property
     def collectives_are_ours(self) -> bool:
         """Forward and backward communicate through paralm's calls only (DDP's reducer through our comm
-        hook), so they run without the byte counter's per-operator mode; FSDP2, DTensor (tensor
-        parallelism) and pipeline stages communicate from inside torch, which only that mode sees."""
-        dims = self.runtime.dims
-        return not uses_fsdp(self.config.parallel.zero, self.runtime.data_parallel) and dims.tp == dims.pp == 1
+        hook, FSDP2 through our custom collectives), so they run without the byte counter's per-operator
+        mode; DTensor (tensor parallelism) and pipeline stages communicate from inside torch, which only
+        that mode sees."""
+        return self.runtime.dims.tp == self.runtime.dims.pp == 1
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
