@@ -1,6 +1,6 @@
 """The planner against our own runs: predicted vs measured model-state bytes, peak memory and step time.
 
-    python benchmarks/planner_validation.py [--steps 12] [--runs tiny-1 tiny-ddp2 ...]
+    python benchmarks/planner_validation.py [--steps 12] [--rounds 1] [--runs tiny-1 tiny-ddp2 ...]
                                             [--clusters DIR] [--measured FILE.json]
 
 For each run in RUNS, `paralm calibrate` first measures this machine for its process count (right
@@ -22,7 +22,11 @@ setting slows CPU training by 10-40%, so the step times come from the first run.
 
 Rows cover DDP, ZeRO-1/2/3 (with accumulation), HSDP, TP, TP+SP, PP (two schedules), 3-D, the
 parameter server and local SGD on 1-8 CPU ranks. Measure on a quiet machine (check `uptime` before
-and during) and repeat rows that move.
+and during). `--rounds N` trains every run N times, round-robin (so a disturbance of the machine
+moves one round of a few rows, not all rounds of one), and takes the median over all rounds' steps.
+Layouts of one model often differ by less than the machine moves a row between rounds; the ranking
+then also counts, among the pairs of layouts whose rounds' medians do not overlap (the pairs the
+measurement resolves), those the planner orders as measured.
 """
 
 from __future__ import annotations
@@ -132,15 +136,21 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / spread if spread else float("nan")
 
 
-def ranking(runs: list[Run], predicted: list[float], measured: list[float]) -> list[str]:
+def ranking(runs: list[Run], predicted: list[float], measured: list[float], rounds: list[list[float]]) -> list[str]:
     """Per model (the runs named after it all train the same global batch): does the planner order
-    its layouts as they measured?"""
+    its layouts as they measured? `rounds`: each run's per-round medians."""
     lines = []
     for model in dict.fromkeys(run.name.split("-")[0] for run in runs):
         rows = [i for i, run in enumerate(runs) if run.name.split("-")[0] == model]
         if len(rows) > 2:
             rho = spearman([predicted[i] for i in rows], [measured[i] for i in rows])
-            lines.append(f"{model}: Spearman {rho:.2f} over {len(rows)} layouts")
+            line = f"{model}: Spearman {rho:.2f} over {len(rows)} layouts"
+            repeats = min(len(rounds[i]) for i in rows)
+            if repeats > 1:  # i measured faster than j in every round
+                resolved = [(i, j) for i in rows for j in rows if max(rounds[i]) < min(rounds[j])]
+                agree = sum(predicted[i] < predicted[j] for i, j in resolved)
+                line += f"; of the {len(resolved)} pairs {repeats} rounds resolve, {agree} ordered as measured"
+            lines.append(line)
     return lines
 
 
@@ -221,19 +231,78 @@ def predict(run: Run, cluster: Path) -> dict[str, float]:
     return json.loads(out)[0]
 
 
-def measure(run: Run, steps: int, threads: int, folder: Path) -> dict[str, float]:
-    """What `run` measured: model states, live and kept peak memory, fastest and median step time."""
+def measure(run: Run, steps: int, threads: int, folder: Path) -> dict:
+    """What `run` measured in one round: model states, live and kept peak memory, its steps' times."""
     rows = train(run, steps, threads, folder)
     live = train(run, 4, threads, folder, RETURN_FREED_MEMORY)
-    times = sorted(row["step_time_s"] for row in rows)
     return {
         "states": sum(rows[-1].get(k, 0) for k in STATE_KEYS),
         "peak": max(row["peak_mem_bytes"] for row in live),
         "kept": max(row["peak_mem_bytes"] for row in rows),
-        "fastest": times[0],
-        "median": times[len(times) // 2],
-        "load": os.getloadavg()[0],
+        "rounds": [[row["step_time_s"] for row in rows]],
+        "load": [os.getloadavg()[0]],
     }
+
+
+def measure_again(run: Run, steps: int, threads: int, folder: Path, known: dict) -> None:
+    """One more round of `run`'s step times (memory is measured in the first)."""
+    known["rounds"].append([row["step_time_s"] for row in train(run, steps, threads, folder)])
+    known["load"].append(os.getloadavg()[0])
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def measure_rounds(runs: list[Run], args: argparse.Namespace, known: dict, folder: Path, tmp: Path) -> dict[str, Path]:
+    """Train the runs not yet in `known` (enough rounds of each), round-robin; each run's cluster file."""
+    cores, clusters = os.cpu_count() or 1, {}
+    for round_ in range(args.rounds):
+        for run in runs:
+            clusters[run.name] = calibrate(run, folder, reuse=args.clusters is not None or round_ > 0)
+            threads = max(1, cores // run.nproc)
+            if run.name not in known:
+                known[run.name] = measure(run, args.steps, threads, tmp)
+            elif len(known[run.name]["rounds"]) <= round_:
+                measure_again(run, args.steps, threads, tmp, known[run.name])
+            else:
+                continue
+            if args.measured:
+                args.measured.write_text(json.dumps(known, indent=1))
+            print(f"round {round_ + 1}: {run.name} measured", file=sys.stderr, flush=True)
+    return clusters
+
+
+def price(runs: list[Run], known: dict, clusters: dict[str, Path]) -> tuple[list[list[str]], list[float], list[float]]:
+    """The table's rows, and per run the predicted and the measured (median) step time."""
+    rows, predicted_s, measured_s = [], [], []
+    for run in runs:
+        measured, predicted = known[run.name], predict(run, clusters[run.name])
+        steps = [t for times in measured["rounds"] for t in times]
+        states = sum(predicted.get(k, 0) for k in STATE_KEYS), measured["states"]
+        peak = predicted["mem_bytes_per_device"], measured["peak"]
+        predicted_s.append(predicted["step_time_s"])
+        measured_s.append(median(steps))
+        rows.append(
+            [
+                run.name,
+                str(run.nproc),
+                f"{states[0] / 2**20:.2f}",
+                f"{states[1] / 2**20:.2f}",
+                f"{states[0] / states[1]:.3f}",
+                f"{peak[0] / 2**20:.0f}",
+                f"{peak[1] / 2**20:.0f}",
+                f"{peak[0] / peak[1]:.2f}",
+                f"{measured['kept'] / 2**20:.0f}",
+                f"{1e3 * predicted['step_time_s']:.1f}",
+                f"{1e3 * min(steps):.1f}",
+                " / ".join(f"{1e3 * median(times):.0f}" for times in measured["rounds"]),
+                f"{1e3 * median(steps):.1f}",
+                f"{predicted['step_time_s'] / median(steps):.2f}",
+                " / ".join(f"{load:.1f}" for load in measured["load"]),
+            ]
+        )
+    return rows, predicted_s, measured_s
 
 
 def main() -> None:
@@ -247,44 +316,15 @@ def main() -> None:
         help="JSON of measured runs: those in it are priced again without training (to re-check a changed "
         "cost model against the same runs); runs measured now are added to it",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="train every run this many times, round-robin")
     args = parser.parse_args()
-    cores = os.cpu_count() or 1
     known = json.loads(args.measured.read_text()) if args.measured and args.measured.exists() else {}
-    rows, done, predicted_s, measured_s = [], [], [], []
+    runs = [r for r in RUNS if r.name in args.runs]
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.clusters or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        for run in (r for r in RUNS if r.name in args.runs):
-            cluster = calibrate(run, folder, reuse=args.clusters is not None)
-            if run.name not in known:
-                known[run.name] = measure(run, args.steps, max(1, cores // run.nproc), Path(tmp))
-                if args.measured:
-                    args.measured.write_text(json.dumps(known, indent=1))
-            measured, predicted = known[run.name], predict(run, cluster)
-            states = sum(predicted.get(k, 0) for k in STATE_KEYS), measured["states"]
-            peak = predicted["mem_bytes_per_device"], measured["peak"]
-            done.append(run)
-            predicted_s.append(predicted["step_time_s"])
-            measured_s.append(measured["median"])
-            rows.append(
-                [
-                    run.name,
-                    str(run.nproc),
-                    f"{states[0] / 2**20:.2f}",
-                    f"{states[1] / 2**20:.2f}",
-                    f"{states[0] / states[1]:.3f}",
-                    f"{peak[0] / 2**20:.0f}",
-                    f"{peak[1] / 2**20:.0f}",
-                    f"{peak[0] / peak[1]:.2f}",
-                    f"{measured['kept'] / 2**20:.0f}",
-                    f"{1e3 * predicted['step_time_s']:.1f}",
-                    f"{1e3 * measured['fastest']:.1f}",
-                    f"{1e3 * measured['median']:.1f}",
-                    f"{predicted['step_time_s'] / measured['median']:.2f}",
-                    f"{measured['load']:.1f}",
-                ]
-            )
-            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+        clusters = measure_rounds(runs, args, known, folder, Path(tmp))
+        rows, predicted_s, measured_s = price(runs, known, clusters)
     print_table(
         [
             "run",
@@ -298,6 +338,7 @@ def main() -> None:
             "RSS, freed kept",
             "step ms pred",
             "fastest",
+            "rounds' medians",
             "median",
             "pred/median",
             "load after",
@@ -305,7 +346,8 @@ def main() -> None:
         rows,
     )
     print("\nranking of the layouts by step time, predicted against the measured median:")
-    print("\n".join(ranking(done, predicted_s, measured_s)))
+    per_round = [[median(times) for times in known[run.name]["rounds"]] for run in runs]
+    print("\n".join(ranking(runs, predicted_s, measured_s, per_round)))
 
 
 if __name__ == "__main__":
