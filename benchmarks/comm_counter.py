@@ -1,6 +1,6 @@
 """What paralm's byte counter costs a training step: the same steps inside and outside it, alternating.
 
-    python benchmarks/comm_counter.py [--ranks 2] [--steps 6] [--zero 0] [--threads 1]
+    python benchmarks/comm_counter.py [--ranks 2] [--steps 6] [--zero 0] [--tp 1] [--pp 1] [--threads 1]
 
 `Trainer.fit` runs every step inside `CommStats.counting()` (`paralm.parallel.comm_stats`), a
 dispatch mode that sees the operators it is not suspended for. Here `Trainer.train_step` runs on the
@@ -30,7 +30,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(args.threads)
     sections = {
         "train": {"steps": 3 + 2 * args.steps, "micro_batch_size": 8, "eval_every": 0},
-        "parallel": {"zero": args.zero},
+        "parallel": {"zero": args.zero, "tp": args.tp, "pp": args.pp, "pp_microbatches": args.pp},
     }
     with warm_trainer(sections, warmup_steps=3) as trainer:
         trainer.memory.measuring = False  # as in 9 of 10 steps of `paralm train` (log.every = 10)
@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="measured steps of each kind")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (as many micro-batches)")
     parser.add_argument("--threads", type=int, default=1, help="per rank")
     args = parser.parse_args()
     with socket.socket() as s:  # a free port for the ranks' rendezvous

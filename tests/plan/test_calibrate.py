@@ -1,8 +1,10 @@
 """What `paralm calibrate` measures, checked without timing anything (the matmul rate is faked)."""
 
+import pytest
 import torch
 
 from paralm import hardware
+from paralm.compat import current_dispatch_mode
 from paralm.plan import calibrate
 
 
@@ -20,6 +22,22 @@ def test_the_matmul_curve_is_measured_on_thin_matmuls_of_each_smallest_side(monk
     largest = calibrate.GEMM_SIZES_CPU[-1]
     curve = [(size, rows) for dtype, size, rows in shapes if dtype == "fp32"]
     assert sorted(set(curve)) == [(n, largest) for n in calibrate.GEMM_SIZES_CPU]
-    assert len(curve) == calibrate.GEMM_ROUNDS * len(calibrate.GEMM_SIZES_CPU)
+    assert len(curve) == calibrate.ROUNDS * len(calibrate.GEMM_SIZES_CPU)
     assert measured["peak_fp32"] == 1e9 * largest
     assert measured["gemm_32"] == 32 / largest
+
+
+def test_the_counting_latency_is_what_the_counter_adds_to_the_same_block(monkeypatch) -> None:
+    """The block runs in alternating rounds outside and inside the byte counter's mode; on a clock that
+    each block's backward moves by 3 units under the mode and 1 outside, the kernel latency is 1 and the
+    counting latency 2 (per the kernels the cost model counts in a block)."""
+    now = [0.0]
+
+    def backward(self, *args, **kwargs) -> None:
+        now[0] += 3.0 if current_dispatch_mode() is not None else 1.0
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    measured = calibrate._kernel_latency(torch.device("cpu"), lambda: None)
+    assert measured["kernel_latency"] == pytest.approx(1.0 / calibrate.BLOCK_STEP_KERNELS)
+    assert measured["counting_latency"] == pytest.approx(2.0 / calibrate.BLOCK_STEP_KERNELS)

@@ -58,7 +58,7 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     older = "\n".join(
         line
         for line in text.splitlines()
-        if not line.startswith(("reduce_scatter", "all_gather", "comm_", "sync_", "gemm_shape"))
+        if not line.startswith(("reduce_scatter", "all_gather", "comm_", "sync_", "gemm_shape", "counting_"))
     )
     path.write_text(older)
     assert load_cluster(path) == PRESETS["h100"]  # and an older file's curve was measured on squares
@@ -67,6 +67,9 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
         load_cluster(path)
     path.write_text(text.replace('gemm_shape = "square"', 'gemm_shape = "round"'))
     with pytest.raises(UserError, match="gemm_shape must be one of square, thin"):
+        load_cluster(path)
+    path.write_text(text.replace("counting_latency = 0.0", "counting_latency = -1e-05"))
+    with pytest.raises(UserError, match="counting_latency must be at least 0"):
         load_cluster(path)
 
 

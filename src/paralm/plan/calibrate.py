@@ -15,7 +15,8 @@ what each one gets during training:
   device); on a CPU, where the host's work is the device's, a transformer block of negligible
   arithmetic, forward and backward as training runs them (autograd, views, dispatch), sustained,
   median of rounds, over the kernels the cost model counts in them (1 process on 2 cores: 32 us per
-  kernel, where the fastest tiny kernel takes 10);
+  kernel, where the fastest tiny kernel takes 10); and what the byte counter's dispatch mode adds to
+  each, the same block inside it, which tensor- and pipeline-parallel steps pay (0 on GPUs);
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
@@ -32,6 +33,7 @@ One machine has no inter-node link: the file repeats the intra-node figures ther
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -49,6 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paralm.model import Block, GPTConfig
+from paralm.parallel.comm_stats import CommStats
 from paralm.plan.cluster import Cluster
 from paralm.plan.collectives import fastest, measure_collectives
 from paralm.plan.kernels import BLOCK_STEP_KERNELS
@@ -57,7 +60,7 @@ from paralm.plan.timing import optimizer_bytes_per_param
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
-GEMM_ROUNDS = 5
+ROUNDS = 5  # alternating rounds of the matmul curve and of the per-kernel costs
 
 
 def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_servers: int = 0) -> Cluster:
@@ -99,6 +102,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         memory_bandwidth=measured["memory_bandwidth"],
         gemm_efficiency=_rising(sizes, [measured[f"gemm_{n}"] for n in sizes]),
         kernel_latency=measured["kernel_latency"],
+        counting_latency=measured["counting_latency"],
         runtime_bytes=measured["runtime_bytes"],
         reduce_scatter_factor=measured["reduce_scatter_factor"],
         all_gather_factor=measured["all_gather_factor"],
@@ -178,14 +182,14 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     # then moves one round of one size, not a whole size, nor the peak the others are divided by. (The
     # best round would be the luckiest share of the cores: 20% over the fair share with 4 workers on 2.)
     rates: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(GEMM_ROUNDS):
+    for _ in range(ROUNDS):
         for n in sizes:
             together()
             rates[n].append(measure_matmul_flops(device, dtype, n, 0.15, sustained=True, rows=sizes[-1]))
     typical = {n: statistics.median(r) for n, r in rates.items()}
     measured[f"peak_{dtype}"] = max(typical.values())
     measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in typical.items()}
-    measured["kernel_latency"] = _kernel_latency(device, together)
+    measured |= _kernel_latency(device, together)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -202,26 +206,32 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     return measured
 
 
-def _kernel_latency(device: torch.device, together: Callable[[], object]) -> float:
-    """Seconds the cost model adds per kernel (see the module's docstring). On a CPU each round runs
-    the block for 0.1 s: one call (~2 ms) fits in a time slice of the scheduler, so timing calls alone
-    would miss that workers outnumbering the cores share them."""
+def _kernel_latency(device: torch.device, together: Callable[[], object]) -> dict[str, float]:
+    """Seconds the cost model adds per kernel, `kernel_latency` (see the module's docstring), and what
+    the byte counter's dispatch mode adds to each where it stays on, `counting_latency`: the same
+    block inside `CommStats.counting()`, in alternating rounds. On a CPU each round runs the block for
+    0.1 s: one call (~2 ms) fits in a time slice of the scheduler, so timing calls alone would miss
+    that workers outnumbering the cores share them."""
     together()
     if device.type == "cuda":
         one = torch.ones(1, device=device)
-        return fastest(lambda: one.add_(1.0), device, repeats=50)
+        return {"kernel_latency": fastest(lambda: one.add_(1.0), device, repeats=50), "counting_latency": 0.0}
     block = Block(GPTConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=8))
     x = torch.randn(1, 8, 8, requires_grad=True)
     block(x).sum().backward()
-    rounds = []
-    for _ in range(GEMM_ROUNDS):
-        together()
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < 0.1 or not calls:
-            block(x).sum().backward()
-            calls += 1
-        rounds.append((time.perf_counter() - start) / calls)
-    return statistics.median(rounds) / BLOCK_STEP_KERNELS
+    counter = CommStats()
+    rounds: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(ROUNDS):
+        for counted, seconds in rounds.items():
+            together()
+            with counter.counting() if counted else contextlib.nullcontext():
+                start, calls = time.perf_counter(), 0
+                while time.perf_counter() - start < 0.1 or not calls:
+                    block(x).sum().backward()
+                    calls += 1
+                seconds.append((time.perf_counter() - start) / calls)
+    plain, counted = (statistics.median(rounds[c]) / BLOCK_STEP_KERNELS for c in (False, True))
+    return {"kernel_latency": plain, "counting_latency": max(0.0, counted - plain)}
 
 
 def _memory_bytes(device: torch.device, devices: int) -> float:

@@ -61,6 +61,10 @@ class Cluster:
     # Seconds a blocking collective between compute adds beyond its transfer: the ranks' skew, as
     # other work on shared cores delays one of them (0 on dedicated GPUs, the presets' assumption).
     sync_cost: float = 0.0
+    # Seconds the byte counter's per-operator dispatch mode (`paralm.parallel.comm_stats`) adds to each
+    # kernel where it stays on in forward and backward: tensor- and pipeline-parallel steps. Measured by
+    # calibrate on CPUs; 0 on GPUs (the presets' assumption: the host runs ahead of the device).
+    counting_latency: float = 0.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
     gemm_shape: str = "square"
@@ -233,8 +237,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
     if min(cluster.reduce_scatter_factor, cluster.all_gather_factor) <= 0 or not 0 <= cluster.comm_overlap <= 1:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
-    if cluster.sync_cost < 0:
-        raise UserError(f"{path}: sync_cost must be at least 0 seconds")
+    if min(cluster.sync_cost, cluster.counting_latency) < 0:
+        raise UserError(f"{path}: sync_cost and counting_latency must be at least 0 seconds")
     if cluster.gemm_shape not in GEMM_SHAPES:
         raise UserError(f"{path}: gemm_shape must be one of {', '.join(GEMM_SHAPES)}, got {cluster.gemm_shape!r}")
     sizes, effs = [p[0] for p in curve], [p[1] for p in curve]
