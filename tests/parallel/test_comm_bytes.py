@@ -47,6 +47,13 @@ def test_ddp_all_reduces_every_gradient_once(tmp_path):
     assert rows == [2 * _bytes(model.parameters())] * 2
 
 
+def test_zero1_moves_what_ddp_moves(tmp_path):
+    """ZeRO-1 reduce-scatters the gradients (B over both ranks) and all-gathers the updated parameters
+    (B), with its per-parameter work outside the counting mode: its collectives count themselves."""
+    rows, model, _ = _counted(tmp_path, "zero1", parallel={"zero": 1})
+    assert rows == [2 * _bytes(model.parameters()) + _fsdp_norm(model)] * 2
+
+
 def test_zero2_gathers_parameters_once_and_reduce_scatters_gradients(tmp_path):
     rows, model, _ = _counted(tmp_path, "zero2", parallel={"zero": 2})
     assert rows == [2 * _bytes(model.parameters()) + _fsdp_norm(model)] * 2

@@ -20,7 +20,9 @@ Where every collective of some work is issued through this module's methods, eac
 the work runs with the mode suspended (`CommStats.suspended`): the forward and backward of layouts
 without tensor or pipeline parallelism, whose communication there is DDP's reducer (its comm hook is
 ours) or FSDP2's (its custom all-gather and reduce-scatter are ours, and the hook it calls after
-HSDP's all-reduce counts that, `count_all_reduce_issued_by_torch`). Not counted then: DDP's one-time
+HSDP's all-reduce counts that, `count_all_reduce_issued_by_torch`); and ZeRO-1's exchange after
+backward and after the optimizer step, whose per-parameter work would otherwise cost ~12% of the tiny
+model's step (`benchmarks/comm_counter.py --zero 1`). Not counted then: DDP's one-time
 exchange of its rebuilt bucket order, in the second step's forward (152 bytes for the tiny model on 2
 ranks).
 

@@ -89,12 +89,17 @@ class ZeroOne(SyncStrategy):
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        """Averaged gradient shards onto the shard parameters; the full local gradients are freed."""
+        """Averaged gradient shards onto the shard parameters; the full local gradients are freed. Every
+        collective here counts itself, so the per-parameter work runs without the counter's mode."""
+        with self.stats.suspended():
+            self._reduce_scatter_gradients()
+
+    def _reduce_scatter_gradients(self) -> None:
         for bucket in self.buckets:
             rows = [_padded_rows(p.grad if p.grad is not None else torch.zeros_like(p), self.ranks) for p in bucket]
             full = torch.cat(rows, dim=1)  # (ranks, bucket's shard numel): row r is rank r's shards
             mine = full.new_empty(full.shape[1])
-            dist.reduce_scatter_single(mine, full.view(-1), group=self.mesh.get_group())
+            self.stats.reduce_scatter_single(mine, full.view(-1), dist.ReduceOp.SUM, self.mesh.get_group())
             if self.replicas > 1:
                 self.stats.all_reduce(mine, self.replicate_group)
             mine /= self.ranks * self.replicas
@@ -112,12 +117,16 @@ class ZeroOne(SyncStrategy):
 
     @torch.no_grad()
     def after_step(self, steps_done: int, last: bool) -> None:
-        """Every rank gets the parameters the other ranks updated."""
+        """Every rank gets the parameters the other ranks updated (without the counter's mode, as above)."""
+        with self.stats.suspended():
+            self._all_gather_parameters()
+
+    def _all_gather_parameters(self) -> None:
         for bucket in self.buckets:
             shards = [_padded_rows(self.shard_of[p].to_local(), 1, _rows_per_rank(p, self.ranks)) for p in bucket]
             mine = torch.cat(shards, dim=1)
             gathered = mine.new_empty(self.ranks, mine.shape[1])
-            dist.all_gather_single(gathered.view(-1), mine.view(-1), group=self.mesh.get_group())
+            self.stats.all_gather_single(gathered.view(-1), mine.view(-1), self.mesh.get_group())
             offset = 0
             for p in bucket:
                 numel = _rows_per_rank(p, self.ranks) * math.prod(p.shape[1:])
