@@ -146,7 +146,8 @@ def ranking(runs: list[Run], predicted: list[float], measured: list[float], roun
             rho = spearman([predicted[i] for i in rows], [measured[i] for i in rows])
             line = f"{model}: Spearman {rho:.2f} over {len(rows)} layouts"
             repeats = min(len(rounds[i]) for i in rows)
-            if repeats > 1:  # i measured faster than j in every round
+            if repeats > 1:
+                # (i, j): i measured faster than j in every round
                 resolved = [(i, j) for i in rows for j in rows if max(rounds[i]) < min(rounds[j])]
                 agree = sum(predicted[i] < predicted[j] for i, j in resolved)
                 line += f"; of the {len(resolved)} pairs {repeats} rounds resolve, {agree} ordered as measured"

@@ -83,6 +83,22 @@ def test_hsdp_all_reduces_the_shards_across_replicas(tmp_path):
     assert [row["comm_bytes"] for row in read_metrics(config.run.dir)] == [within_replicas + between_replicas] * 2
 
 
+def test_an_all_reduce_torch_issued_is_counted_once():
+    """FSDP2's HSDP all-reduce reaches the counting mode when it is on (tensor or pipeline parallelism
+    beside HSDP); the hook after it must then add nothing, and count it only when no mode saw it."""
+
+    class Replicas:  # the group's size is all the count reads
+        def size(self) -> int:
+            return 4
+
+    stats, grads = comm_stats.CommStats(), torch.zeros(100)
+    with stats.counting():
+        stats.count_all_reduce_issued_by_torch(grads, Replicas())
+    assert stats.take_step() == (0, 0)
+    stats.count_all_reduce_issued_by_torch(grads, Replicas())
+    assert stats.take_step() == (600, 600)  # a ring: 2 (P - 1) / P x 400 bytes each way
+
+
 def test_local_sgd_averages_the_parameters_every_step(tmp_path):
     rows, model, _ = _counted(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 1})
     bad_step_flag = 2 * 4  # replicas' gradients differ: they agree on skipping a NaN step (one int32)

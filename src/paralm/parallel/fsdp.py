@@ -66,8 +66,9 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, config: Config) -> None:
     reshard = config.parallel.zero == 3
     units = [fully_shard(block, reshard_after_forward=reshard, **policy) for block in model.blocks.values()]
     units.append(fully_shard(model, **policy))  # the root keeps its parameters gathered: backward starts there
+    replicas = runtime.mesh["dp_replicate"].get_group() if runtime.dims.dp_replicate > 1 else None
     for unit in units:
-        _count_collectives(unit, runtime)
+        _count_collectives(unit, runtime.comm, replicas)
     setattr(model, _EVERY_MICROSTEP, config.parallel.shard_grads_every_microstep)
 
 
@@ -104,12 +105,12 @@ class CountedReduceScatter(_Counted, ReduceScatter):
         return self.stats.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
 
 
-def _count_collectives(unit: FSDPModule, runtime: Runtime) -> None:
-    unit.set_custom_all_gather(CountedAllGather(runtime.comm))
-    unit.set_custom_reduce_scatter(CountedReduceScatter(runtime.comm))
-    if runtime.dims.dp_replicate > 1:
-        replicas = runtime.mesh["dp_replicate"].get_group()
-        unit.set_all_reduce_hook(lambda grads: runtime.comm.count_all_reduce_issued_by_torch(grads, replicas))
+def _count_collectives(unit: FSDPModule, stats: CommStats, replicas: dist.ProcessGroup | None) -> None:
+    """`replicas`: HSDP's replica group, whose all-reduce FSDP2 issues itself (None without HSDP)."""
+    unit.set_custom_all_gather(CountedAllGather(stats))
+    unit.set_custom_reduce_scatter(CountedReduceScatter(stats))
+    if replicas is not None:
+        unit.set_all_reduce_hook(lambda grads: stats.count_all_reduce_issued_by_torch(grads, replicas))
 
 
 _EVERY_MICROSTEP = "paralm_shard_grads_every_microstep"  # set on the root module by `apply_fsdp`
