@@ -81,24 +81,37 @@ def measure_matmul_flops(
     *,
     sustained: bool = False,
     rows: int | None = None,
+    training: bool = False,
 ) -> float:
     """FLOP/s of back-to-back matmuls of a (`rows` x `size`) input by a `size` x `size` weight (square by
     default) over `seconds`: the best call, the practical peak of this device; or, `sustained`, all
     calls over their whole time, what a device keeps up while others run too (workers that outnumber
     the cores share them, and one call can catch the cores alone).
 
-    The matmul is the one `nn.Linear` runs, input times the transposed weight (`F.linear`): on a CPU
-    without native bf16 the plain product of two bf16 matrices takes a path several times slower."""
+    The matmul is the one `nn.Linear` runs, input times the transposed weight (`F.linear`); `training`
+    adds the two its backward runs, the input gradient (gradient times weight) and the weight gradient
+    (transposed gradient times input): on a CPU without native bf16 the first of those takes a path
+    15x slower than the forward's (2 cores: 0.9 against 12.9 GFLOP/s at 1024), which a forward alone misses."""
     rows = rows or size
     x = torch.randn(rows, size, device=device, dtype=torch_dtype(dtype))
     weight = torch.randn(size, size, device=device, dtype=torch_dtype(dtype))
-    F.linear(x, weight)  # warm-up: kernel selection, page faults
-    flops, calls, best = 2 * rows * size**2, 0, 0.0
+
+    def forward() -> None:
+        F.linear(x, weight)
+
+    def forward_and_backward() -> None:
+        F.linear(x, weight)  # the output and its gradient have the input's shape: x stands for both
+        torch.mm(x, weight)
+        torch.mm(x.t(), x)
+
+    call = forward_and_backward if training else forward
+    call()  # warm-up: kernel selection, page faults
+    flops, calls, best = 2 * rows * size**2 * (3 if training else 1), 0, 0.0
     _synchronize(device)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds or not calls:
         began = time.perf_counter()
-        F.linear(x, weight)
+        call()
         _synchronize(device)
         calls += 1
         best = max(best, flops / (time.perf_counter() - began))

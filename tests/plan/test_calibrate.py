@@ -8,23 +8,28 @@ from paralm.compat import current_dispatch_mode
 from paralm.plan import calibrate
 
 
-def test_the_matmul_curve_is_measured_on_thin_matmuls_of_each_smallest_side(monkeypatch) -> None:
-    """The cost model reads the curve at a matmul's smallest dimension, the others being large (tokens
-    beside a layer's width): calibrate measures exactly those, not square matrices of that side."""
+def test_the_matmul_curves_are_measured_on_thin_matmuls_of_each_smallest_side(monkeypatch) -> None:
+    """The cost model reads a curve at a matmul's smallest dimension, the others being large (tokens
+    beside a layer's width): calibrate measures exactly those, not square matrices of that side, with
+    the products backward runs, for each dtype: the training dtype's in rounds, the others' once."""
     shapes = []
 
-    def fake_rate(device, dtype, size=1024, seconds=0.5, *, sustained=False, rows=None):
+    def fake_rate(device, dtype, size=1024, seconds=0.5, *, sustained=False, rows=None, training=False):
+        assert training, "a curve without backward's products misses what a CPU emulating bf16 costs"
         shapes.append((dtype, size, rows or size))
-        return 1e9 * size  # a rate that grows with the size, so each size's fraction is size / largest
+        slower = 10 if dtype == "bf16" else 1
+        return 1e9 * size / slower  # grows with the size, so each size's fraction is size / largest
 
     monkeypatch.setattr(hardware, "measure_matmul_flops", fake_rate)
     measured = calibrate._compute(torch.device("cpu"), lambda: None)
     largest = calibrate.GEMM_SIZES_CPU[-1]
-    curve = [(size, rows) for dtype, size, rows in shapes if dtype == "fp32"]
-    assert sorted(set(curve)) == [(n, largest) for n in calibrate.GEMM_SIZES_CPU]
-    assert len(curve) == calibrate.ROUNDS * len(calibrate.GEMM_SIZES_CPU)
+    for dtype, rounds in (("fp32", calibrate.ROUNDS), ("bf16", 1)):
+        curve = [(size, rows) for of, size, rows in shapes if of == dtype]
+        assert sorted(set(curve)) == [(n, largest) for n in calibrate.GEMM_SIZES_CPU]
+        assert len(curve) == rounds * len(calibrate.GEMM_SIZES_CPU)
+        assert measured[f"gemm_{dtype}_32"] == 32 / largest
     assert measured["peak_fp32"] == 1e9 * largest
-    assert measured["gemm_32"] == 32 / largest
+    assert measured["peak_bf16"] == 1e8 * largest
 
 
 def test_the_counting_latency_is_what_the_counter_adds_to_the_same_block(monkeypatch) -> None:

@@ -84,3 +84,19 @@ def test_gemm_curves_stay_under_the_published_best_matmul(preset: str, bound: fl
     bigger matrices never run less efficiently."""
     efficiencies = [fraction for _, fraction in PRESETS[preset].gemm_efficiency]
     assert efficiencies == sorted(efficiencies) and efficiencies[-1] < bound
+
+
+def test_a_dtype_with_its_own_curve_is_read_on_it(tmp_path) -> None:
+    """Calibrate writes a curve per dtype (a CPU emulating bf16 runs a different kernel per layout):
+    it survives the file and prices that dtype's matmuls, while the others keep the shared curve."""
+    from paralm.plan import kernels
+
+    slow = dataclasses.replace(PRESETS["h100"], dtype_gemm_efficiency={"fp32": ((64.0, 0.01), (1024.0, 0.02))})
+    path = tmp_path / "cluster.toml"
+    path.write_text(slow.to_toml())
+    assert load_cluster(path) == slow
+    assert kernels.efficiency(slow, "fp32", 1024) == 0.02
+    assert kernels.efficiency(slow, "bf16", 1024) == kernels.efficiency(PRESETS["h100"], "bf16", 1024) > 0.02
+    path.write_text(slow.to_toml().replace("[1024.0, 0.02]", "[1024.0, 0.005]"))
+    with pytest.raises(UserError, match="dtype_gemm_efficiency.fp32 must be"):
+        load_cluster(path)

@@ -129,5 +129,6 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path, capsys) -> None:
     assert cluster.devices == 1 and 0 < fractions[0] <= fractions[-1] <= 1 and cluster.kernel_latency > 0
     assert cluster.intra_bandwidth > 0 and cluster.intra_latency > 0 and cluster.memory_bandwidth > 0
     assert cluster.peak("fp32") > 1e8 and cluster.runtime_bytes > 1e7
+    assert set(cluster.dtype_gemm_efficiency) == {"bf16"} and cluster.peak("bf16") > 0
     assert cluster.reduce_scatter_factor > 0 and cluster.all_gather_factor > 0 and 0 <= cluster.comm_overlap <= 1
     assert main(["plan", *tiny, "--cluster", f"{path}", "--json"]) == 0

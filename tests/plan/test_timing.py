@@ -39,7 +39,8 @@ def test_full_recompute_repeats_the_block_forwards() -> None:
 
 
 def test_small_matmuls_and_small_shards_run_further_from_peak() -> None:
-    assert kernels.efficiency(H100, 64) < kernels.efficiency(H100, 1024) < kernels.efficiency(H100, 1e5)
+    small, large, huge = (kernels.efficiency(H100, "bf16", size) for size in (64, 1024, 1e5))
+    assert small < large < huge
     per_flop = [
         step_time(_layout(tp=t), _work(), FREE_LINKS).compute_s * t for t in (1, 8)
     ]  # device-seconds of the same FLOPs
@@ -86,7 +87,7 @@ def test_a_thin_matmul_curve_prices_attention_at_the_head_dimension() -> None:
     hd, s = SHAPE.d_model // SHAPE.n_head, SHAPE.block_size
     times = [kernels.block_forward(c, "bf16", SHAPE, 1, 1, False, 2).attention for c in (square, thin)]
     assert times[1] / times[0] == pytest.approx(
-        kernels.efficiency(square, (s * s * hd) ** (1 / 3)) / kernels.efficiency(square, hd)
+        kernels.efficiency(square, "bf16", (s * s * hd) ** (1 / 3)) / kernels.efficiency(square, "bf16", hd)
     )
     assert times[1] > times[0]
 

@@ -3,14 +3,15 @@
 `devices` local workers share the machine as `paralm train --nproc N` would (the cores split
 between them), and every figure is measured with all of them running at once, because that is
 what each one gets during training:
-- the matmul efficiency curve: matmuls whose smallest dimension grows, as the cost model reads the
+- the matmul efficiency curves: matmuls whose smallest dimension grows, as the cost model reads the
   curve (`paralm.plan.kernels`): a (R x n) input by an n x n weight, R the largest n, as a layer's
   tokens stand beside its width or a tensor-parallel shard (on a 2-core CPU a 64 x 64 matmul ran at 26
-  GFLOP/s and a 2048 x 64 one at 61: a square one's call, not its arithmetic, takes the time), in the training
-  dtype (bf16 on CUDA, fp32 on CPU), in alternating rounds with every worker starting each size at once,
-  each size's median as a fraction of the best of them (that dtype's peak), made non-decreasing (a
-  smaller size that ran faster is noise: the cost model assumes larger matrices run no slower);
-- the other dtypes' peaks: a large matmul, sustained;
+  GFLOP/s and a 2048 x 64 one at 61: a square one's call, not its arithmetic, takes the time), each with
+  the two products its backward runs (a CPU emulating bf16 runs one of them 15x slower than the
+  forward), each size's rate as a fraction of the best of them (that dtype's peak), made non-decreasing
+  (a smaller size that ran faster is noise: the cost model assumes larger matrices run no slower). The
+  default training dtype's (bf16 on CUDA, fp32 on CPU) in alternating rounds with every worker starting
+  each size at once, each size's median; the other dtypes' in one pass;
 - kernel latency: on a GPU the fastest tiny elementwise kernel (a launch: the host runs ahead of the
   device); on a CPU, where the host's work is the device's, a transformer block of negligible
   arithmetic, forward and backward as training runs them (autograd, views, dispatch), sustained,
@@ -89,18 +90,21 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         log(f"  {key}: {value:.4g}")
     name = torch.cuda.get_device_name(0) if cuda else f"cpu-{threads}-thread{'s' * (threads > 1)}"
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
+    peaks = {k.removeprefix("peak_"): v for k, v in measured.items() if k.startswith("peak_")}
+    curves = {d: _rising(sizes, [measured[f"gemm_{d}_{n}"] for n in sizes]) for d in peaks}
     return Cluster(
         name=name.replace(" ", "-").lower(),
         nodes=1,
         devices_per_node=devices,
         memory_bytes=measured["memory_bytes"],
-        peak_flops={k.removeprefix("peak_"): v for k, v in measured.items() if k.startswith("peak_")},
+        peak_flops=peaks,
         intra_bandwidth=measured["allreduce_bandwidth"],
         intra_latency=measured["allreduce_latency"],
         inter_bandwidth=measured["allreduce_bandwidth"],
         inter_latency=measured["allreduce_latency"],
         memory_bandwidth=measured["memory_bandwidth"],
-        gemm_efficiency=_rising(sizes, [measured[f"gemm_{n}"] for n in sizes]),
+        gemm_efficiency=curves.pop(_curve_dtype(cuda)),
+        dtype_gemm_efficiency=curves,
         kernel_latency=measured["kernel_latency"],
         counting_latency=measured["counting_latency"],
         runtime_bytes=measured["runtime_bytes"],
@@ -173,22 +177,23 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     cuda = device.type == "cuda"
     dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
-    dtype = "bf16" if cuda else "fp32"
-    measured = {}
-    for other in (d for d in dtypes if d != dtype):
+    dtype = _curve_dtype(cuda)
+
+    def rate(of: str, n: int) -> float:
         together()
-        measured[f"peak_{other}"] = measure_matmul_flops(device, other, sizes[-1], sustained=True)
+        return measure_matmul_flops(device, of, n, 0.15, sustained=True, rows=sizes[-1], training=True)
+
+    measured = {}
+    for other in (d for d in dtypes if d != dtype):  # one pass: their gaps to the training dtype dwarf noise
+        measured |= _curve_and_peak(other, {n: rate(other, n) for n in sizes})
     # The curve's sizes in alternating rounds, each size's median: a disturbance from other processes
     # then moves one round of one size, not a whole size, nor the peak the others are divided by. (The
     # best round would be the luckiest share of the cores: 20% over the fair share with 4 workers on 2.)
     rates: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(ROUNDS):
         for n in sizes:
-            together()
-            rates[n].append(measure_matmul_flops(device, dtype, n, 0.15, sustained=True, rows=sizes[-1]))
-    typical = {n: statistics.median(r) for n, r in rates.items()}
-    measured[f"peak_{dtype}"] = max(typical.values())
-    measured |= {f"gemm_{n}": flops / measured[f"peak_{dtype}"] for n, flops in typical.items()}
+            rates[n].append(rate(dtype, n))
+    measured |= _curve_and_peak(dtype, {n: statistics.median(r) for n, r in rates.items()})
     measured |= _kernel_latency(device, together)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
@@ -204,6 +209,18 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     moved = OPTIMIZER_PARAMS * optimizer_bytes_per_param("fp32", "paper", optimizer_slots=2)
     measured["memory_bandwidth"] = moved / fastest(optimizer_step, device, repeats=10)
     return measured
+
+
+def _curve_dtype(cuda: bool) -> str:
+    """The dtype whose curve is measured in rounds and is the cluster's `gemm_efficiency` (the one read
+    for dtypes without their own): the one training runs by default on that device."""
+    return "bf16" if cuda else "fp32"
+
+
+def _curve_and_peak(dtype: str, rates: dict[int, float]) -> dict[str, float]:
+    """`dtype`'s peak, its best rate, and each size's rate as a fraction of it."""
+    peak = max(rates.values())
+    return {f"peak_{dtype}": peak} | {f"gemm_{dtype}_{n}": flops / peak for n, flops in rates.items()}
 
 
 def _kernel_latency(device: torch.device, together: Callable[[], object]) -> dict[str, float]:

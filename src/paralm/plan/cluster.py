@@ -68,6 +68,10 @@ class Cluster:
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
     gemm_shape: str = "square"
+    # Curves of the dtypes whose efficiency does not follow `gemm_efficiency` (each a fraction of that
+    # dtype's peak): calibrate measures one per dtype, since a CPU emulating bf16 runs a different
+    # kernel for each layout; none in the presets (their 16-bit curve stands for every dtype).
+    dtype_gemm_efficiency: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = field(default="", compare=False)  # where the figures come from
 
     @property
@@ -88,6 +92,9 @@ class Cluster:
                 f"cluster {self.name} has no peak FLOP/s for {dtype}; it lists {', '.join(self.peak_flops)}"
             )
         return self.peak_flops[dtype]
+
+    def gemm_curve(self, dtype: str) -> tuple[tuple[float, float], ...]:
+        return self.dtype_gemm_efficiency.get(dtype, self.gemm_efficiency)
 
     def link(self, size: int, stride: int) -> Link:
         """The link a group of `size` ranks `stride` apart uses (ranks fill a node before the next).
@@ -115,12 +122,18 @@ class Cluster:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "gemm_efficiency":
-                lines.append(f"{f.name} = [{', '.join(f'[{size!r}, {eff!r}]' for size, eff in value)}]")
-            elif f.name != "peak_flops":
+                lines.append(f"{f.name} = {_toml_curve(value)}")
+            elif f.name not in ("peak_flops", "dtype_gemm_efficiency"):
                 lines.append(f"{f.name} = {_toml(value)}")
         lines += ["", "[cluster.peak_flops]"]
         lines += [f"{dtype} = {flops!r}" for dtype, flops in self.peak_flops.items()]
+        lines += ["", "[cluster.dtype_gemm_efficiency]"]
+        lines += [f"{dtype} = {_toml_curve(curve)}" for dtype, curve in self.dtype_gemm_efficiency.items()]
         return "\n".join(lines) + "\n"
+
+
+def _toml_curve(curve: tuple[tuple[float, float], ...]) -> str:
+    return f"[{', '.join(f'[{size!r}, {eff!r}]' for size, eff in curve)}]"
 
 
 def _toml(value: object) -> str:
@@ -229,8 +242,9 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: [cluster] fields {'; '.join(p for p in problems if p)}")
     try:
         peaks = {k: float(v) for k, v in raw["peak_flops"].items()}
-        curve = tuple((float(size), float(eff)) for size, eff in raw["gemm_efficiency"])
-        cluster = Cluster(**{**raw, "peak_flops": peaks, "gemm_efficiency": curve})
+        curve = _curve(raw["gemm_efficiency"])
+        curves = {k: _curve(v) for k, v in raw.get("dtype_gemm_efficiency", {}).items()}
+        cluster = Cluster(**{**raw, "peak_flops": peaks, "gemm_efficiency": curve, "dtype_gemm_efficiency": curves})
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{path}: [cluster] has a value of the wrong type: {e}") from None
     if min(cluster.nodes, cluster.devices_per_node) < 1 or cluster.memory_bytes <= 0:
@@ -241,9 +255,14 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: sync_cost and counting_latency must be at least 0 seconds")
     if cluster.gemm_shape not in GEMM_SHAPES:
         raise UserError(f"{path}: gemm_shape must be one of {', '.join(GEMM_SHAPES)}, got {cluster.gemm_shape!r}")
-    sizes, effs = [p[0] for p in curve], [p[1] for p in curve]
-    if not curve or sizes != sorted(set(sizes)) or effs != sorted(effs) or not 0 < effs[0] <= effs[-1] <= 1:
-        raise UserError(
-            f"{path}: gemm_efficiency must be [size, fraction] pairs, sizes ascending, fractions rising within (0, 1]"
-        )
+    for name, points in [("gemm_efficiency", curve), *(("dtype_gemm_efficiency." + k, v) for k, v in curves.items())]:
+        sizes, effs = [p[0] for p in points], [p[1] for p in points]
+        if not points or sizes != sorted(set(sizes)) or effs != sorted(effs) or not 0 < effs[0] <= effs[-1] <= 1:
+            raise UserError(
+                f"{path}: {name} must be [size, fraction] pairs, sizes ascending, fractions rising within (0, 1]"
+            )
     return cluster
+
+
+def _curve(points: list[list[float]]) -> tuple[tuple[float, float], ...]:
+    return tuple((float(size), float(eff)) for size, eff in points)

@@ -1,7 +1,7 @@
 """Seconds of the kernels one transformer block runs on one device: a roofline per kernel.
 
 A matmul of (M x K) by (K x N) takes the longer of its FLOPs at the device's peak times an efficiency
-that depends on its size (`Cluster.gemm_efficiency`, interpolated at the smallest of M, N, K: small
+that depends on its size (`Cluster.gemm_curve`, interpolated at the smallest of M, N, K: small
 and thin matrices keep few tensor cores busy) and its bytes at the memory bandwidth, plus one
 kernel launch (`Cluster.kernel_latency`). Elementwise work (LayerNorm, GELU, residual adds, the loss's
 softmax) is memory-bound: its bytes over the bandwidth, plus a launch per kernel. Attention is the
@@ -25,10 +25,10 @@ ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GEL
 BLOCK_STEP_KERNELS = 3 * (6 + 2 + ELEMENTWISE_KERNELS)
 
 
-def efficiency(cluster: Cluster, size: float) -> float:
-    """Fraction of peak a matmul of dimension `size` (see `matmul`) reaches: log-linear between the
-    calibrated points, flat beyond the ends."""
-    points = cluster.gemm_efficiency
+def efficiency(cluster: Cluster, dtype: str, size: float) -> float:
+    """Fraction of `dtype`'s peak a matmul of dimension `size` (see `matmul`) reaches: log-linear
+    between the calibrated points, flat beyond the ends."""
+    points = cluster.gemm_curve(dtype)
     sizes = [p[0] for p in points]
     i = bisect.bisect_left(sizes, size)
     if i == 0:
@@ -53,7 +53,7 @@ def matmul(
     `size`, by default the smallest dimension: it bounds the arithmetic intensity and the tiles a thin
     matrix (a narrow layer, a small tensor-parallel shard, few tokens) fills."""
     flops = 2 * m * n * k * count
-    compute = flops / (cluster.peak(dtype) * efficiency(cluster, min(m, n, k) if size is None else size))
+    compute = flops / (cluster.peak(dtype) * efficiency(cluster, dtype, min(m, n, k) if size is None else size))
     memory = element_bytes * (m * k + k * n + m * n) * count / cluster.memory_bandwidth
     return max(compute, memory) + cluster.kernel_latency
 
