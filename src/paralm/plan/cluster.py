@@ -233,7 +233,12 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: no [cluster] table; write one with `paralm calibrate --out {path}`")
     fields = {f.name for f in dataclasses.fields(Cluster)}
     unknown = set(raw) - fields
-    missing = fields - set(raw) - {f.name for f in dataclasses.fields(Cluster) if f.default is not dataclasses.MISSING}
+    optional = {
+        f.name
+        for f in dataclasses.fields(Cluster)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+    missing = fields - set(raw) - optional
     if unknown or missing:
         problems = [
             f"unknown {', '.join(sorted(unknown))}" if unknown else "",
