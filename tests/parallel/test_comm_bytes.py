@@ -10,10 +10,13 @@ parameter's norm separately (one fp32 scalar per parameter).
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+from paralm.compat import TorchDispatchMode
 from paralm.model import GPT
 from paralm.parallel import comm_stats
 from paralm.parallel.parallelize import ParallelPlan
+from paralm.train.precision import LossScaler
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
@@ -172,3 +175,48 @@ def test_the_counter_leaves_forward_and_backward_to_our_hooks(tmp_path, name, se
         assert seen == [0, 0]
     else:
         assert min(seen) > 0
+
+
+def _collectives_in_optimizer_steps(config) -> tuple[int, list[str]]:
+    """Train; how many operators the optimizer steps ran, and the collectives among them."""
+    operators, collectives = [0], []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor's own handling; its collectives come back here
+            operators[0] += 1
+            if func.namespace in comm_stats.NAMESPACES:
+                collectives.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    step = LossScaler.step
+
+    def recorded(self, optimizer):
+        with Recording():
+            result = step(self, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        return result
+
+    LossScaler.step = recorded  # this rank only
+    train(config)
+    return operators[0], collectives
+
+
+@pytest.mark.parametrize(
+    ("name", "sections"),
+    [
+        ("tp-sp", {"parallel": {"tp": 2, "sequence_parallel": True}}),
+        ("zero1", {"parallel": {"zero": 1}}),
+        ("zero3", {"parallel": {"zero": 3}}),
+        ("pp", {"parallel": {"pp": 2, "pp_microbatches": 2}}),
+        ("diloco", {"sync": {"mode": "diloco", "local_steps": 1}}),
+    ],
+)
+def test_the_optimizer_step_communicates_nothing(tmp_path, name, sections):
+    """The trainer steps the optimizer outside the counting mode (it costs a Python call per operator),
+    which is exact only if the step issues no collective: strategies exchange after backward and after
+    the step, the loss scaler when it unscales."""
+    config = tiny_config(tmp_path / name, train={"steps": 2, "grad_clip": 1.0}, **sections)
+    for operators, collectives in run_ranks(_collectives_in_optimizer_steps, 2, tmp_path, config):
+        assert operators > 0 and collectives == []

@@ -22,7 +22,8 @@ without tensor or pipeline parallelism, whose communication there is DDP's reduc
 ours) or FSDP2's (its custom all-gather and reduce-scatter are ours, and the hook it calls after
 HSDP's all-reduce counts that, `count_all_reduce_issued_by_torch`); and ZeRO-1's exchange after
 backward and after the optimizer step, whose per-parameter work would otherwise cost ~12% of the tiny
-model's step (`benchmarks/comm_counter.py --zero 1`). Not counted then: DDP's one-time
+model's step (`benchmarks/comm_counter.py --zero 1`); and in every layout the optimizer step, which
+communicates nothing (~10% of the tiny model's tensor-parallel step, `--tp 2`). Not counted then: DDP's one-time
 exchange of its rebuilt bucket order, in the second step's forward (152 bytes for the tiny model on 2
 ranks).
 
