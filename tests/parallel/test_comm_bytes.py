@@ -134,8 +134,9 @@ def test_one_process_trains_without_the_counting_mode(tmp_path, monkeypatch):
 
 
 def _matmuls_under_the_counter(config) -> int:
-    """Train; how many matmuls of the steps' forward and backward went through the counting mode."""
-    seen, inside = [], []
+    """Train; how many matmuls of the forward and backward of steps after the first went through the
+    counting mode (a pipeline's first step exchanges its stages' shapes, which only the mode sees)."""
+    seen, inside, calls = [], [], []
     dispatch, forward_backward = comm_stats._Counter.__torch_dispatch__, ParallelPlan.forward_backward
 
     def recording(self, func, types, args=(), kwargs=None):
@@ -144,11 +145,12 @@ def _matmuls_under_the_counter(config) -> int:
         return dispatch(self, func, types, args, kwargs)
 
     def marked(self, batches, scale):
-        inside.append(True)
+        calls.append(True)
+        inside.extend([True] * (len(calls) > 1))
         try:
             return forward_backward(self, batches, scale)
         finally:
-            inside.pop()
+            inside.clear()
 
     comm_stats._Counter.__torch_dispatch__, ParallelPlan.forward_backward = recording, marked  # this rank only
     train(config)
@@ -162,14 +164,16 @@ def _matmuls_under_the_counter(config) -> int:
         ("zero1", {"parallel": {"zero": 1}}, True),
         ("local_sgd", {"sync": {"mode": "local_sgd", "local_steps": 1}}, True),
         ("zero3", {"parallel": {"zero": 3}}, True),
-        ("pp", {"parallel": {"pp": 2, "pp_microbatches": 2}}, False),
+        ("pp", {"parallel": {"pp": 2, "pp_microbatches": 2}}, True),
+        ("tp", {"parallel": {"tp": 2}}, False),
     ],
 )
 def test_the_counter_leaves_forward_and_backward_to_our_hooks(tmp_path, name, sections, outside):
-    """The counting mode costs a Python call per operator: DDP's, ZeRO-1's, ZeRO-3's and local SGD's forward
-    and backward run without it (their collectives count themselves: the byte tests above still hold), a
-    pipeline's under it (only the mode sees its stages' sends)."""
-    config = tiny_config(tmp_path / name, train={"steps": 2}, **sections)
+    """The counting mode costs a Python call per operator: DDP's, ZeRO-1's, ZeRO-3's, local SGD's and,
+    after its first step, a pipeline's forward and backward run without it (their collectives count
+    themselves: the byte tests above still hold); tensor parallelism's under it (only the mode sees
+    DTensor's collectives)."""
+    config = tiny_config(tmp_path / name, train={"steps": 3}, **sections)
     seen = run_ranks(_matmuls_under_the_counter, 2, tmp_path, config)
     if outside:
         assert seen == [0, 0]

@@ -68,15 +68,15 @@ def test_calibrate_divides_a_block_by_the_kernels_the_model_counts_in_it() -> No
 
 
 def test_the_byte_counter_is_priced_where_it_stays_on() -> None:
-    """Tensor- and pipeline-parallel steps run under the byte counter's per-operator mode: each of their
-    kernels costs `counting_latency` more; data-parallel layouts (the counter is suspended) nothing."""
+    """Tensor-parallel steps run under the byte counter's per-operator mode: each of their kernels
+    costs `counting_latency` more; other layouts (the counter is suspended) nothing."""
     counting = dataclasses.replace(IDEAL, counting_latency=1.0)
-    for plain in (_layout(dp_shard=64), _layout(dp_shard=16, zero=3)):
+    for plain in (_layout(dp_shard=64), _layout(dp_shard=16, zero=3), _layout(dp_shard=16, pp=4, micro_batch_size=4)):
         assert step_time(plain, _work(), counting) == step_time(plain, _work(), IDEAL)
-    for parallel in (_layout(dp_shard=16, tp=4, micro_batch_size=4), _layout(dp_shard=16, pp=4, micro_batch_size=4)):
-        as_latency = dataclasses.replace(IDEAL, kernel_latency=1.0)
-        assert step_time(parallel, _work(), counting) == step_time(parallel, _work(), as_latency)
-        assert step_time(parallel, _work(), counting).total > step_time(parallel, _work(), IDEAL).total
+    parallel = _layout(dp_shard=16, tp=4, micro_batch_size=4)
+    as_latency = dataclasses.replace(IDEAL, kernel_latency=1.0)
+    assert step_time(parallel, _work(), counting) == step_time(parallel, _work(), as_latency)
+    assert step_time(parallel, _work(), counting).total > step_time(parallel, _work(), IDEAL).total
 
 
 def test_a_thin_matmul_curve_prices_attention_at_the_head_dimension() -> None:

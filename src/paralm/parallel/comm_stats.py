@@ -18,14 +18,15 @@ the dispatcher at run time and are counted there.
 The mode's price is a Python call for every operator (12–18% of a small model's step on 2 CPU ranks).
 Where every collective of some work is issued through this module's methods, each counting itself,
 the work runs with the mode suspended (`CommStats.suspended`): the forward and backward of layouts
-without tensor or pipeline parallelism, whose communication there is DDP's reducer (its comm hook is
-ours) or FSDP2's (its custom all-gather and reduce-scatter are ours, and the hook it calls after
-HSDP's all-reduce counts that, `count_all_reduce_issued_by_torch`); and ZeRO-1's exchange after
-backward and after the optimizer step, whose per-parameter work would otherwise cost ~12% of the tiny
-model's step (`benchmarks/comm_counter.py --zero 1`); and in every layout the optimizer step, which
-communicates nothing (~10% of the tiny model's tensor-parallel step, `--tp 2`). Not counted then: DDP's one-time
-exchange of its rebuilt bucket order, in the second step's forward (152 bytes for the tiny model on 2
-ranks).
+without tensor parallelism, whose communication there is DDP's reducer (its comm hook is ours),
+FSDP2's (its custom all-gather and reduce-scatter are ours, and the hook it calls after HSDP's
+all-reduce counts that, `count_all_reduce_issued_by_torch`) or, after the first step (which exchanges
+the stages' shapes), a pipeline schedule's transfers (its stages count what they hand the schedule,
+`count_p2p_issued_by_torch`); ZeRO-1's exchange after backward and after the optimizer step, whose
+per-parameter work would otherwise cost ~12% of the tiny model's step (`benchmarks/comm_counter.py
+--zero 1`); and in every layout the optimizer step, which communicates nothing (~10% of the tiny
+model's tensor-parallel step, `--tp 2`). Not counted then: DDP's one-time exchange of its rebuilt
+bucket order, in the second step's forward (152 bytes for the tiny model on 2 ranks).
 
 Conventions, per rank, for a group of P ranks and n bytes handed over by this rank:
 - all-reduce: a ring, 2(P-1)/P x n sent and as much received;
@@ -286,6 +287,14 @@ class CommStats:
         no custom collective) and that no counting mode saw (with one active, it was counted there)."""
         if _active is None:
             self.count(*RULES["all_reduce"][1](_nbytes(tensor), group.size(), False))
+
+    def count_p2p_issued_by_torch(self, ops: list[dist.P2POp]) -> None:
+        """Count the point-to-point ops a pipeline schedule is about to issue (each sends or receives
+        its tensor) where no counting mode will see them (with one active, it counts them there)."""
+        if _active is None:
+            for op in ops:
+                n = _nbytes(op.tensor)
+                self.count(*((n, 0) if op.op is dist.isend else (0, n)))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
         with self.counting():

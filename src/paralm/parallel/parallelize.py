@@ -60,11 +60,9 @@ class ParallelPlan:
 
     @property
     def collectives_are_ours(self) -> bool:
-        """Forward and backward communicate through paralm's calls only (DDP's reducer through our comm
-        hook, FSDP2 through our custom collectives), so they run without the byte counter's per-operator
-        mode; DTensor (tensor parallelism) and pipeline stages communicate from inside torch, which only
-        that mode sees."""
-        return self.runtime.dims.tp == self.runtime.dims.pp == 1
+        """Forward and backward communicate through paralm's calls only (each counting itself), so
+        they run without the byte counter's per-operator mode (`StepRunner.counts_its_collectives`)."""
+        return self.runner.counts_its_collectives
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""

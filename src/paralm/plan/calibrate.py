@@ -17,7 +17,7 @@ what each one gets during training:
   arithmetic, forward and backward as training runs them (autograd, views, dispatch), sustained,
   median of rounds, over the kernels the cost model counts in them (1 process on 2 cores: 32 us per
   kernel, where the fastest tiny kernel takes 10); and what the byte counter's dispatch mode adds to
-  each, the same block inside it, which tensor- and pipeline-parallel steps pay (0 on GPUs);
+  each, the same block inside it, which tensor-parallel steps pay (0 on GPUs);
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:

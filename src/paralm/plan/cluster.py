@@ -62,7 +62,7 @@ class Cluster:
     # other work on shared cores delays one of them (0 on dedicated GPUs, the presets' assumption).
     sync_cost: float = 0.0
     # Seconds the byte counter's per-operator dispatch mode (`paralm.parallel.comm_stats`) adds to each
-    # kernel where it stays on in forward and backward: tensor- and pipeline-parallel steps. Measured by
+    # kernel where it stays on in forward and backward: tensor-parallel steps. Measured by
     # calibrate on CPUs; 0 on GPUs (the presets' assumption: the host runs ahead of the device).
     counting_latency: float = 0.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is

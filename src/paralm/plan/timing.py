@@ -23,7 +23,7 @@ Stated assumptions:
 - FSDP (ZeRO-2/3) also copies parameters and gradients in and out of its flat collective buffers:
   memory-bound, not hidden;
 - the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`;
-- paralm counts every byte it communicates: tensor- and pipeline-parallel steps do so through a
+- paralm counts every byte it communicates: tensor-parallel steps (DTensor) do so through a
   per-operator dispatch mode, which adds `Cluster.counting_latency` to each of their kernels.
 """
 
@@ -112,7 +112,7 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
 
 def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool = True) -> StepTime:
     shape, p, v, m, ga = work.shape, layout.pp, layout.pp_virtual_stages, layout.pp_microbatches, layout.grad_accum
-    if layout.tp > 1 or p > 1:  # the byte counter's mode stays on (`ParallelPlan.collectives_are_ours`)
+    if layout.tp > 1:  # the byte counter's mode stays on for DTensor (`StepRunner.counts_its_collectives`)
         cluster = dataclasses.replace(cluster, kernel_latency=cluster.kernel_latency + cluster.counting_latency)
     ranks = layout.critical_ranks(shape)
     costs = [_micro_batch(layout, work, cluster, r) for r in ranks]
