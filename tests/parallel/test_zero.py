@@ -164,3 +164,45 @@ def test_shard_grads_every_microstep_reduce_scatters_before_the_last_microstep(t
         for every in (False, True)
     ]
     assert run_ranks(grads_after_unsynced_microstep, 2, tmp_path, runs)[0] == [False, True]
+
+
+def _zero1_exchange_with_padding() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """ZeRO-1 on a model whose rows do not divide by the 2 ranks (5, 3 and 1 rows): the gradient
+    shards after backward and the parameters after the step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paralm.parallel.comm_stats import CommStats
+    from paralm.parallel.zero1 import ZeroOne
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    for i, p in enumerate(model.parameters()):
+        torch.nn.init.constant_(p, float(i))
+        p.grad = torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (rank + 1)  # ranks differ
+    zero = ZeroOne(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), None, 1e-5, CommStats())
+    zero.after_backward()  # a tiny bucket size: several buckets
+    grads = {name: zero.shard_of[p].grad.full_tensor() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for shard in zero.shard_of.values():
+            shard.to_local().add_(10.0 * (rank + 1))  # each rank updates only its own rows
+    zero.after_step(1, last=True)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    dist.destroy_process_group()
+    return grads, params
+
+
+def test_zero1_pads_rows_that_do_not_divide_by_the_ranks(tmp_path):
+    """Averaged gradients land on the right shard rows, and every rank ends with the rows each rank
+    updated, for shapes whose first dimension leaves the last rank short (padding) or empty."""
+    results = run_ranks(_zero1_exchange_with_padding, 2, tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    for grads, params in results:
+        for i, (name, p) in enumerate(model.named_parameters()):
+            average = torch.arange(p.numel(), dtype=torch.float32).view_as(p) * 1.5  # (1 + 2) / 2
+            torch.testing.assert_close(grads[name], average, rtol=0, atol=0, msg=name)
+            rows = -(-p.shape[0] // 2)  # ceil: rank 0 holds the first `rows` rows
+            added = torch.full_like(p, 20.0)
+            added[:rows] = 10.0
+            torch.testing.assert_close(params[name], float(i) + added, rtol=0, atol=0, msg=name)

@@ -17,6 +17,7 @@ back.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -69,8 +70,9 @@ class ZeroOne(SyncStrategy):
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shard_of: dict[nn.Parameter, torch.Tensor] = {}
+        self.rows: dict[nn.Parameter, int] = {}  # of dim 0 per rank
         for p in self.params:
-            rows = _rows_per_rank(p, self.ranks)
+            rows = self.rows[p] = _rows_per_rank(p, self.ranks)
             local = p.detach()[rank * rows : (rank + 1) * rows]  # a view: the step writes the model in place
             self.shard_of[p] = DTensor.from_local(
                 local, shard_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
@@ -96,14 +98,18 @@ class ZeroOne(SyncStrategy):
 
     def _reduce_scatter_gradients(self) -> None:
         for bucket in self.buckets:
-            rows = [_padded_rows(p.grad if p.grad is not None else torch.zeros_like(p), self.ranks) for p in bucket]
-            full = torch.cat(rows, dim=1)  # (ranks, bucket's shard numel): row r is rank r's shards
+            columns = [_rows_per_rank(p, self.ranks) * math.prod(p.shape[1:]) for p in bucket]
+            full = bucket[0].new_empty(self.ranks, sum(columns))  # row r: rank r's shards, one after another
+            for p, (start, end) in zip(bucket, _spans(columns), strict=True):
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                for r in range(self.ranks):
+                    _copy_padded(grad[r * self.rows[p] : (r + 1) * self.rows[p]], full[r, start:end])
             mine = full.new_empty(full.shape[1])
             self.stats.reduce_scatter_single(mine, full.view(-1), dist.ReduceOp.SUM, self.mesh.get_group())
             if self.replicas > 1:
                 self.stats.all_reduce(mine, self.replicate_group)
             mine /= self.ranks * self.replicas
-            for p, grad in zip(bucket, mine.split([r.shape[1] for r in rows]), strict=True):
+            for p, grad in zip(bucket, mine.split(columns), strict=True):
                 local = self.shard_of[p].to_local()
                 self.shard_of[p].grad = DTensor.from_local(
                     grad.view(-1, *p.shape[1:])[: local.shape[0]],
@@ -122,16 +128,20 @@ class ZeroOne(SyncStrategy):
             self._all_gather_parameters()
 
     def _all_gather_parameters(self) -> None:
+        rank = self.mesh.get_local_rank()
         for bucket in self.buckets:
-            shards = [_padded_rows(self.shard_of[p].to_local(), 1, _rows_per_rank(p, self.ranks)) for p in bucket]
-            mine = torch.cat(shards, dim=1)
-            gathered = mine.new_empty(self.ranks, mine.shape[1])
-            self.stats.all_gather_single(gathered.view(-1), mine.view(-1), self.mesh.get_group())
-            offset = 0
-            for p in bucket:
-                numel = _rows_per_rank(p, self.ranks) * math.prod(p.shape[1:])
-                p.copy_(gathered[:, offset : offset + numel].reshape(-1, *p.shape[1:])[: p.shape[0]])
-                offset += numel
+            columns = [_rows_per_rank(p, self.ranks) * math.prod(p.shape[1:]) for p in bucket]
+            spans = _spans(columns)
+            mine = bucket[0].new_empty(sum(columns))
+            for p, (start, end) in zip(bucket, spans, strict=True):
+                _copy_padded(self.shard_of[p].to_local(), mine[start:end])
+            gathered = mine.new_empty(self.ranks, mine.shape[0])
+            self.stats.all_gather_single(gathered.view(-1), mine, self.mesh.get_group())
+            for p, (start, _) in zip(bucket, spans, strict=True):
+                for r in range(self.ranks):
+                    rows = p.detach()[r * self.rows[p] : (r + 1) * self.rows[p]]
+                    if r != rank:  # this rank's rows are its shard, a view of the parameter: updated in place
+                        rows.view(-1).copy_(gathered[r, start : start + rows.numel()])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """One norm over the averaged gradient shards (the full gradients are gone by now)."""
@@ -170,12 +180,17 @@ def _rows_per_rank(p: torch.Tensor, ranks: int) -> int:
     return math.ceil(p.shape[0] / ranks)
 
 
-def _padded_rows(t: torch.Tensor, ranks: int, rows: int | None = None) -> torch.Tensor:
-    """`t` zero-padded along dim 0 to `ranks` x `rows` rows, as a (ranks, rows x row size) matrix."""
-    rows = _rows_per_rank(t, ranks) if rows is None else rows
-    padded = t.new_zeros(ranks * rows, *t.shape[1:])
-    padded[: t.shape[0]] = t
-    return padded.view(ranks, -1)
+def _copy_padded(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """`rows` flattened into the start of the 1-D `out`, zeros after them (a last rank's short shard)."""
+    n = rows.numel()
+    out[:n].copy_(rows.reshape(-1))
+    out[n:].zero_()
+
+
+def _spans(columns: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of consecutive blocks of the given widths."""
+    ends = list(itertools.accumulate(columns))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
