@@ -191,10 +191,10 @@ def _data_parallel(
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
         gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
         if layout.zero == 1:  # paralm.parallel.zero1: after backward, so nothing overlaps
-            return reduce + gather, reduce + gather
+            return reduce + gather, reduce + gather + _shard_copies(cluster, params * param_bytes, grads, shard_n)
         # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
         reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1
-        copies = _fsdp_copies(cluster, params * param_bytes, reductions * grads, shard_n)
+        copies = _shard_copies(cluster, params * param_bytes, reductions * grads, shard_n)
         return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather + copies
     gather = comm.all_gather(params * work.element_bytes, shard_n, shard_link)
     first_block = comm.all_gather(work.shape.layer_params / layout.tp * work.element_bytes, shard_n, shard_link)
@@ -204,16 +204,17 @@ def _data_parallel(
     reductions = layout.grad_accum if work.sharded_accumulation else 1
     total = layout.grad_accum * gathers * gather + reductions * reduce
     hidden = layout.grad_accum * (first_block + exposed(gather, forward) + (gathers - 1) * exposed(gather, backward))
-    copies = _fsdp_copies(
+    copies = _shard_copies(
         cluster, layout.grad_accum * gathers * params * work.element_bytes, reductions * grads, shard_n
     )
     return total, copies + ((hidden + reductions * exposed(reduce, backward)) if overlap else total)
 
 
-def _fsdp_copies(cluster: Cluster, gathered: float, reduced: float, n: int) -> float:
-    """FSDP2's memory-bound copies around its collectives, on the compute stream: each all-gather copies
-    the shard into its flat input and the gathered output out to the parameters; each reduce-scatter
-    copies the gradients into its flat input and its output shard out (each copy reads and writes)."""
+def _shard_copies(cluster: Cluster, gathered: float, reduced: float, n: int) -> float:
+    """The memory-bound copies around sharded collectives, on the compute stream (FSDP2's flat buffers,
+    ZeRO-1's buckets): each all-gather copies the shard into its flat input and the gathered output out
+    to the parameters; each reduce-scatter copies the gradients into its flat input and its output
+    shard out (each copy reads and writes). (ZeRO-1 copies out only the other ranks' rows: a shard less.)"""
     if n <= 1:
         return 0.0
     return 2 * (1 + 1 / n) * (gathered + reduced) / cluster.memory_bandwidth
