@@ -224,3 +224,25 @@ def test_the_optimizer_step_communicates_nothing(tmp_path, name, sections):
     config = tiny_config(tmp_path / name, train={"steps": 2, "grad_clip": 1.0}, **sections)
     for operators, collectives in run_ranks(_collectives_in_optimizer_steps, 2, tmp_path, config):
         assert operators > 0 and collectives == []
+
+
+def _train_in_the_mode(config):
+    """Train with every operator under the counting mode (nothing suspended)."""
+    import contextlib
+
+    comm_stats.CommStats.suspended = lambda self: contextlib.nullcontext()  # this rank only
+    train(config)
+
+
+def test_data_parallel_pipeline_stages_count_what_the_mode_counts(tmp_path):
+    """Replicated pipeline stages (dp 2 x pp 2) run outside the counting mode after the first step: the
+    stages count their transfers and FSDP2's replicate hook its gradient all-reduce, to the byte what
+    the mode counts when it sees every operator."""
+    sections = {"parallel": {"pp": 2, "pp_microbatches": 2}, "train": {"steps": 3, "micro_batch_size": 2}}
+    counted = []
+    for name, fn in (("hooks", _train), ("mode", _train_in_the_mode)):
+        config = tiny_config(tmp_path / name, **sections)
+        run_ranks(fn, 4, tmp_path, config)
+        counted.append([row["comm_bytes"] for row in read_metrics(config.run.dir)])
+    hooks, mode = counted
+    assert hooks[1:] == mode[1:] and min(mode) > 0
