@@ -78,6 +78,8 @@ class ZeroOne(SyncStrategy):
                 local, shard_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
             ).requires_grad_()
         self.buckets = _buckets(self.params, bucket_mb * 2**20)
+        # Each bucket's flat row per rank: every parameter's `rows` rows, flattened, one after another.
+        self.spans = [_spans([self.rows[p] * math.prod(p.shape[1:]) for p in bucket]) for bucket in self.buckets]
 
     def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The same optimizer (class, groups, hyperparameters), stepping this rank's shards."""
@@ -97,10 +99,9 @@ class ZeroOne(SyncStrategy):
             self._reduce_scatter_gradients()
 
     def _reduce_scatter_gradients(self) -> None:
-        for bucket in self.buckets:
-            columns = [_rows_per_rank(p, self.ranks) * math.prod(p.shape[1:]) for p in bucket]
-            full = bucket[0].new_empty(self.ranks, sum(columns))  # row r: rank r's shards, one after another
-            for p, (start, end) in zip(bucket, _spans(columns), strict=True):
+        for bucket, spans in zip(self.buckets, self.spans, strict=True):
+            full = bucket[0].new_empty(self.ranks, spans[-1][1])  # row r: rank r's shards, one after another
+            for p, (start, end) in zip(bucket, spans, strict=True):
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 for r in range(self.ranks):
                     _copy_padded(grad[r * self.rows[p] : (r + 1) * self.rows[p]], full[r, start:end])
@@ -109,10 +110,10 @@ class ZeroOne(SyncStrategy):
             if self.replicas > 1:
                 self.stats.all_reduce(mine, self.replicate_group)
             mine /= self.ranks * self.replicas
-            for p, grad in zip(bucket, mine.split(columns), strict=True):
+            for p, (start, end) in zip(bucket, spans, strict=True):
                 local = self.shard_of[p].to_local()
                 self.shard_of[p].grad = DTensor.from_local(
-                    grad.view(-1, *p.shape[1:])[: local.shape[0]],
+                    mine[start:end].view(-1, *p.shape[1:])[: local.shape[0]],
                     self.mesh,
                     [Shard(0)],
                     run_check=False,
@@ -129,10 +130,8 @@ class ZeroOne(SyncStrategy):
 
     def _all_gather_parameters(self) -> None:
         rank = self.mesh.get_local_rank()
-        for bucket in self.buckets:
-            columns = [_rows_per_rank(p, self.ranks) * math.prod(p.shape[1:]) for p in bucket]
-            spans = _spans(columns)
-            mine = bucket[0].new_empty(sum(columns))
+        for bucket, spans in zip(self.buckets, self.spans, strict=True):
+            mine = bucket[0].new_empty(spans[-1][1])
             for p, (start, end) in zip(bucket, spans, strict=True):
                 _copy_padded(self.shard_of[p].to_local(), mine[start:end])
             gathered = mine.new_empty(self.ranks, mine.shape[0])
