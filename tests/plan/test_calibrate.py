@@ -46,3 +46,19 @@ def test_the_counting_latency_is_what_the_counter_adds_to_the_same_block(monkeyp
     measured = calibrate._kernel_latency(torch.device("cpu"), lambda: None)
     assert measured["kernel_latency"] == pytest.approx(1.0 / calibrate.BLOCK_STEP_KERNELS)
     assert measured["counting_latency"] == pytest.approx(2.0 / calibrate.BLOCK_STEP_KERNELS)
+
+
+def test_each_size_is_a_fraction_of_its_own_rounds_best() -> None:
+    """Rounds that ran at different speeds as a whole (a shared host's load drifts) give each size's
+    fraction of its own round's best; medians of the rates would mix a slow round's 256 with a fast
+    round's 512 and read 0.8 for a flat curve."""
+    rounds = [
+        {128: 10.0, 256: 10.0, 512: 10.0},
+        {128: 8.0, 256: 8.0, 512: 8.0},
+        {128: 8.0, 256: 8.0, 512: 8.0},
+        {128: 10.0, 256: 10.0, 512: 10.0},
+        {128: 10.0, 256: 8.0, 512: 8.0},  # the host slowed down after the first size
+    ]
+    measured = calibrate._curve_from_rounds("fp32", rounds)
+    assert [measured[f"gemm_fp32_{n}"] for n in (128, 256, 512)] == [1.0, 1.0, 1.0]
+    assert measured["peak_fp32"] == 10.0

@@ -185,15 +185,11 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
 
     measured = {}
     for other in (d for d in dtypes if d != dtype):  # one pass: their gaps to the training dtype dwarf noise
-        measured |= _curve_and_peak(other, {n: rate(other, n) for n in sizes})
-    # The curve's sizes in alternating rounds, each size's median: a disturbance from other processes
-    # then moves one round of one size, not a whole size, nor the peak the others are divided by. (The
-    # best round would be the luckiest share of the cores: 20% over the fair share with 4 workers on 2.)
-    rates: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(ROUNDS):
-        for n in sizes:
-            rates[n].append(rate(dtype, n))
-    measured |= _curve_and_peak(dtype, {n: statistics.median(r) for n, r in rates.items()})
+        measured |= _curve_from_rounds(other, [{n: rate(other, n) for n in sizes}])
+    # The curve's sizes in alternating rounds: a disturbance from other processes then moves one round
+    # of one size. (The best round would be the luckiest share of the cores: 20% over the fair share
+    # with 4 workers on 2.)
+    measured |= _curve_from_rounds(dtype, [{n: rate(dtype, n) for n in sizes} for _ in range(ROUNDS)])
     measured |= _kernel_latency(device, together)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
@@ -217,10 +213,15 @@ def _curve_dtype(cuda: bool) -> str:
     return "bf16" if cuda else "fp32"
 
 
-def _curve_and_peak(dtype: str, rates: dict[int, float]) -> dict[str, float]:
-    """`dtype`'s peak, its best rate, and each size's rate as a fraction of it."""
-    peak = max(rates.values())
-    return {f"peak_{dtype}": peak} | {f"gemm_{dtype}_{n}": flops / peak for n, flops in rates.items()}
+def _curve_from_rounds(dtype: str, rounds: list[dict[int, float]]) -> dict[str, float]:
+    """`dtype`'s peak, the median of the rounds' best rates, and each size's fraction of its own round's
+    best, median over the rounds: a paired comparison, sizes measured within a second of each other
+    under the same load, where medians of rates compare sizes measured under different loads (a
+    shared host slowing down read 0.84 at 128 and 256 for 2 processes that measure 0.97 when quiet)."""
+    fractions = [{n: flops / max(one.values()) for n, flops in one.items()} for one in rounds]
+    peak = statistics.median(max(one.values()) for one in rounds)
+    curve = {f"gemm_{dtype}_{n}": statistics.median(f[n] for f in fractions) for n in rounds[0]}
+    return {f"peak_{dtype}": peak} | curve
 
 
 def _kernel_latency(device: torch.device, together: Callable[[], object]) -> dict[str, float]:
