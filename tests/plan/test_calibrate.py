@@ -1,11 +1,14 @@
 """What `paralm calibrate` measures, checked without timing anything (the matmul rate is faked)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from paralm import hardware
 from paralm.compat import current_dispatch_mode
-from paralm.plan import calibrate
+from paralm.plan import calibrate, kernels
+from paralm.plan.cluster import PRESETS
 
 
 def test_the_matmul_curves_are_measured_on_thin_matmuls_of_each_smallest_side(monkeypatch) -> None:
@@ -62,3 +65,31 @@ def test_each_size_is_a_fraction_of_its_own_rounds_best() -> None:
     measured = calibrate._curve_from_rounds("fp32", rounds)
     assert [measured[f"gemm_fp32_{n}"] for n in (128, 256, 512)] == [1.0, 1.0, 1.0]
     assert measured["peak_fp32"] == 10.0
+
+
+def test_the_compute_scale_is_the_reference_over_its_price() -> None:
+    """A reference that ran 7% longer than the kernel figures price it gives a scale of 1.07, whatever
+    scale the cluster already carries (it is a ratio to the unscaled price)."""
+    cluster = dataclasses.replace(PRESETS["h100"], kernel_latency=3e-5, memory_bandwidth=5e9, peak_flops={"fp32": 6e10})
+    reference = calibrate.REFERENCE
+    price = (
+        reference.n_layer
+        * kernels.block_forward(cluster, "fp32", reference, calibrate.REFERENCE_SEQUENCES, 1, False, 4).training
+    )
+    assert calibrate.compute_scale(cluster, 1.07 * price) == pytest.approx(1.07)
+    scaled = dataclasses.replace(cluster, compute_scale=2.0)
+    assert calibrate.compute_scale(scaled, 1.07 * price) == pytest.approx(1.07)
+
+
+def test_the_reference_runs_in_rounds_with_every_worker(monkeypatch) -> None:
+    """Each round starts with every worker at once and runs at least two calls."""
+    starts, now = [], [0.0]
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+
+    def backward(self, *args, **kwargs) -> None:
+        now[0] += 0.25
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    seconds = calibrate._reference_seconds(lambda: starts.append(now[0]))
+    assert len(starts) == calibrate.ROUNDS
+    assert seconds == pytest.approx(0.25)

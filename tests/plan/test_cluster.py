@@ -59,7 +59,16 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
         line
         for line in text.splitlines()
         if not line.startswith(
-            ("reduce_scatter", "all_gather", "comm_", "sync_", "gemm_shape", "counting_", "[cluster.dtype_gemm")
+            (
+                "reduce_scatter",
+                "all_gather",
+                "comm_",
+                "sync_",
+                "gemm_shape",
+                "counting_",
+                "compute_scale",
+                "[cluster.dtype_gemm",
+            )
         )
     )
     path.write_text(older)
@@ -72,6 +81,9 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
         load_cluster(path)
     path.write_text(text.replace("counting_latency = 0.0", "counting_latency = -1e-05"))
     with pytest.raises(UserError, match="counting_latency must be at least 0"):
+        load_cluster(path)
+    path.write_text(text.replace("compute_scale = 1.0", "compute_scale = 0.0"))
+    with pytest.raises(UserError, match="compute_scale must be positive"):
         load_cluster(path)
 
 

@@ -67,6 +67,23 @@ def test_calibrate_divides_a_block_by_the_kernels_the_model_counts_in_it() -> No
     assert time.compute_s == pytest.approx(SHAPE.n_layer * kernels.BLOCK_STEP_KERNELS + 3 * 4, rel=1e-3)
 
 
+def test_the_compute_scale_stretches_compute_and_nothing_else() -> None:
+    """Calibrate's compute scale multiplies every kernel of forward, recompute and backward; the
+    collectives and the optimizer step keep their own measured figures."""
+    plain = dataclasses.replace(NO_LATENCY, kernel_latency=1e-5)
+    slower = dataclasses.replace(plain, compute_scale=1.25)
+    for parallel in (_layout(dp_shard=16, zero=3, activation_checkpointing="full"), _layout(tp=4, dp_shard=16)):
+        base, scaled = step_time(parallel, _work(), plain), step_time(parallel, _work(), slower)
+        assert scaled.compute_s == pytest.approx(1.25 * base.compute_s)
+        assert scaled.recompute_s == pytest.approx(1.25 * base.recompute_s)
+        assert (scaled.tp_comm_s, scaled.optimizer_s, scaled.dp_comm_s) == (
+            base.tp_comm_s,
+            base.optimizer_s,
+            base.dp_comm_s,
+        )
+        assert base.compute_s > 0 and (base.tp_comm_s > 0 or base.recompute_s > 0)
+
+
 def test_the_byte_counter_is_priced_where_it_stays_on() -> None:
     """Tensor-parallel steps run under the byte counter's per-operator mode: each of their kernels
     costs `counting_latency` more; other layouts (the counter is suspended) nothing."""

@@ -28,6 +28,10 @@ what each one gets during training:
   median of alternating rounds: the fraction of its time the compute hid;
 - synchronisation cost: a burst of matmuls followed by a blocking all-reduce, against the two alone:
   what waiting for the slowest rank adds to each tensor-parallel collective and pipeline transfer;
+- the compute scale (CPUs): a reference stack of transformer blocks, forward and backward, sustained,
+  median of rounds, against what the figures above price it at: what kernels lose beside each other
+  (caches left cold by the other kernels, and by other workers when they outnumber the cores) that
+  each measured alone does not (on 2 cores: 1.07 for 1 process, 1.04 for 2, 1.21 for 4);
 - the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
 One machine has no inter-node link: the file repeats the intra-node figures there.
 """
@@ -35,6 +39,7 @@ One machine has no inter-node link: the file repeats the intra-node figures ther
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -55,12 +60,16 @@ from paralm.model import Block, GPTConfig
 from paralm.parallel.comm_stats import CommStats
 from paralm.plan.cluster import Cluster
 from paralm.plan.collectives import fastest, measure_collectives
-from paralm.plan.kernels import BLOCK_STEP_KERNELS
+from paralm.plan.kernels import BLOCK_STEP_KERNELS, block_forward
+from paralm.plan.shape import ModelShape
 from paralm.plan.timing import optimizer_bytes_per_param
 
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
+# A stack of blocks no validated model shares (widths 128-384): `compute_scale`'s measurement.
+REFERENCE = ModelShape(n_layer=2, n_head=3, d_model=192, block_size=128, vocab_size=8)
+REFERENCE_SEQUENCES = 4
 ROUNDS = 5  # alternating rounds of the matmul curve and of the per-kernel costs
 
 
@@ -92,7 +101,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
     peaks = {k.removeprefix("peak_"): v for k, v in measured.items() if k.startswith("peak_")}
     curves = {d: _rising(sizes, [measured[f"gemm_{d}_{n}"] for n in sizes]) for d in peaks}
-    return Cluster(
+    cluster = Cluster(
         name=name.replace(" ", "-").lower(),
         nodes=1,
         devices_per_node=devices,
@@ -115,6 +124,11 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         gemm_shape="thin",
         source=f"paralm calibrate, {date.today()}, torch {torch.__version__}",
     )
+    if cuda:
+        return cluster
+    scale = compute_scale(cluster, measured["reference_seconds"])
+    log(f"  compute_scale: {scale:.4g}")
+    return dataclasses.replace(cluster, compute_scale=scale)
 
 
 def _rising(sizes: tuple[int, ...], fractions: list[float]) -> tuple[tuple[float, float], ...]:
@@ -191,6 +205,8 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     # with 4 workers on 2.)
     measured |= _curve_from_rounds(dtype, [{n: rate(dtype, n) for n in sizes} for _ in range(ROUNDS)])
     measured |= _kernel_latency(device, together)
+    if not cuda:
+        measured["reference_seconds"] = _reference_seconds(together)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -250,6 +266,32 @@ def _kernel_latency(device: torch.device, together: Callable[[], object]) -> dic
                 seconds.append((time.perf_counter() - start) / calls)
     plain, counted = (statistics.median(rounds[c]) / BLOCK_STEP_KERNELS for c in (False, True))
     return {"kernel_latency": plain, "counting_latency": max(0.0, counted - plain)}
+
+
+def _reference_seconds(together: Callable[[], object]) -> float:
+    """Seconds of one forward and backward of `REFERENCE` (`REFERENCE_SEQUENCES` sequences), sustained
+    for 0.3 s (at least 2 calls) in alternating rounds with every worker at once, median of the rounds:
+    its kernels beside each other, as a training step runs them."""
+    config = GPTConfig(**dataclasses.asdict(REFERENCE), dropout=0.0)
+    blocks = torch.nn.Sequential(*(Block(config) for _ in range(REFERENCE.n_layer)))
+    x = torch.randn(REFERENCE_SEQUENCES, REFERENCE.block_size, REFERENCE.d_model, requires_grad=True)
+    blocks(x).sum().backward()  # warm-up
+    rounds = []
+    for _ in range(ROUNDS):
+        together()
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.3 or calls < 2:
+            blocks(x).sum().backward()
+            calls += 1
+        rounds.append((time.perf_counter() - start) / calls)
+    return statistics.median(rounds)
+
+
+def compute_scale(cluster: Cluster, reference_seconds: float) -> float:
+    """The reference's measured seconds over what `cluster`'s kernel figures price (fp32, no tensor
+    parallelism): what kernels lose beside each other that each measured alone does not."""
+    blocks = block_forward(cluster, "fp32", REFERENCE, REFERENCE_SEQUENCES, 1, False, 4)
+    return reference_seconds / (REFERENCE.n_layer * blocks.training / cluster.compute_scale)
 
 
 def _memory_bytes(device: torch.device, devices: int) -> float:

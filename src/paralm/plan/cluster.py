@@ -65,6 +65,12 @@ class Cluster:
     # kernel where it stays on in forward and backward: tensor-parallel steps. Measured by
     # calibrate on CPUs; 0 on GPUs (the presets' assumption: the host runs ahead of the device).
     counting_latency: float = 0.0
+    # What a training step's kernels take beside each other over what each measured alone predicts (the
+    # roofline of `kernels`): caches that other kernels, or other workers sharing the cores, left cold.
+    # Calibrate measures it on CPUs from a reference stack of blocks (2 cores: 1.04 for 2 workers, 1.21
+    # for 4, which the figures measured one kernel at a time missed); 1 on
+    # GPUs, where kernels run one at a time on the device (the presets' assumption).
+    compute_scale: float = 1.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
     gemm_shape: str = "square"
@@ -256,6 +262,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
     if min(cluster.reduce_scatter_factor, cluster.all_gather_factor) <= 0 or not 0 <= cluster.comm_overlap <= 1:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
+    if cluster.compute_scale <= 0:
+        raise UserError(f"{path}: compute_scale must be positive (1: kernels as the roofline prices them)")
     if min(cluster.sync_cost, cluster.counting_latency) < 0:
         raise UserError(f"{path}: sync_cost and counting_latency must be at least 0 seconds")
     if cluster.gemm_shape not in GEMM_SHAPES:

@@ -66,6 +66,25 @@ class BlockTimes:
     attention: float  # the fused attention kernel (backward: twice)
     elementwise: float  # memory-bound work (backward: twice)
 
+    @property
+    def forward(self) -> float:
+        return self.linear + self.attention + self.elementwise
+
+    @property
+    def input_gradients(self) -> float:
+        """Backward's input gradients: the forward's matmuls again, attention's and the elementwise
+        work's twice (Qi et al. 2024 split backward into these and the weight gradients so)."""
+        return self.linear + 2 * self.attention + 2 * self.elementwise
+
+    @property
+    def weight_gradients(self) -> float:
+        return self.linear
+
+    @property
+    def training(self) -> float:
+        """Forward and backward."""
+        return self.forward + self.input_gradients + self.weight_gradients
+
 
 def block_forward(
     cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, sp: bool, element_bytes: int
@@ -85,7 +104,8 @@ def block_forward(
     # GELU reads and writes the 4h-wide activation, split by TP.
     elementwise_bytes = e * tokens * d * (10 / seq_split + 8 / t)
     elementwise = elementwise_bytes / cluster.memory_bandwidth + ELEMENTWISE_KERNELS * cluster.kernel_latency
-    return BlockTimes(linear, attention, elementwise)
+    scale = cluster.compute_scale
+    return BlockTimes(scale * linear, scale * attention, scale * elementwise)
 
 
 def head_forward(cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, element_bytes: int) -> float:
@@ -93,7 +113,7 @@ def head_forward(cluster: Cluster, dtype: str, shape: ModelShape, sequences: int
     logits, write log-probabilities, read them back for the loss and its gradient)."""
     tokens, vocab = sequences * shape.block_size, shape.vocab_size / t
     loss_bytes = tokens * vocab * (element_bytes + 3 * 4)
-    return (
+    return cluster.compute_scale * (
         matmul(cluster, dtype, tokens, vocab, shape.d_model, element_bytes)
         + loss_bytes / cluster.memory_bandwidth
         + 3 * cluster.kernel_latency

@@ -4,7 +4,8 @@ Stated assumptions:
 - compute: each kernel of a block by a roofline (`kernels`): matmuls at a size-dependent fraction of
   peak, elementwise work at the memory bandwidth, a launch latency per kernel; backward costs the
   weight matmuls twice (input and weight gradients), attention and elementwise work twice; recomputed
-  blocks run their forward again;
+  blocks run their forward again; all of it times `Cluster.compute_scale` (what kernels lose beside
+  each other, measured by calibrate on CPUs; 1 on GPUs);
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path,
   each also waiting for the slowest rank it joins (`Cluster.sync_cost`, measured by calibrate; SP's
@@ -85,7 +86,6 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         cluster, work.dtype, shape, layout.pipeline_batch, t, layout.sequence_parallel and t > 1, e
     )
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e) if rank.has_head else 0.0
-    forward = block.linear + block.attention + block.elementwise
     recomputed = layout.checkpointed_blocks(rank.layers)
     tp_link = cluster.link(*group_strides(layout)["tp"])
     activation = layout.pipeline_batch * shape.block_size * shape.d_model * e
@@ -97,12 +97,10 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     else:
         all_reduce = comm.all_reduce(activation, t, tp_link) + (cluster.sync_cost if t > 1 else 0.0)
     return _MicroBatch(
-        f=rank.layers * forward + head,
-        r=recomputed * forward,
-        # Input gradients cost the forward's matmuls again, attention's and the elementwise work's
-        # twice; weight gradients the weight matmuls again (Qi et al. 2024 split B and W so).
-        b_in=rank.layers * (block.linear + 2 * block.attention + 2 * block.elementwise) + head,
-        w=rank.layers * block.linear + head,
+        f=rank.layers * block.forward + head,
+        r=recomputed * block.forward,
+        b_in=rank.layers * block.input_gradients + head,
+        w=rank.layers * block.weight_gradients + head,
         # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
         tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,
