@@ -259,11 +259,7 @@ def _kernel_latency(device: torch.device, together: Callable[[], object]) -> dic
         for counted, seconds in rounds.items():
             together()
             with counter.counting() if counted else contextlib.nullcontext():
-                start, calls = time.perf_counter(), 0
-                while time.perf_counter() - start < 0.1 or not calls:
-                    block(x).sum().backward()
-                    calls += 1
-                seconds.append((time.perf_counter() - start) / calls)
+                seconds.append(_seconds_per_call(lambda: block(x).sum().backward(), 0.1))
     plain, counted = (statistics.median(rounds[c]) / BLOCK_STEP_KERNELS for c in (False, True))
     return {"kernel_latency": plain, "counting_latency": max(0.0, counted - plain)}
 
@@ -279,12 +275,18 @@ def _reference_seconds(together: Callable[[], object]) -> float:
     rounds = []
     for _ in range(ROUNDS):
         together()
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < 0.3 or calls < 2:
-            blocks(x).sum().backward()
-            calls += 1
-        rounds.append((time.perf_counter() - start) / calls)
+        rounds.append(_seconds_per_call(lambda: blocks(x).sum().backward(), 0.3, calls=2))
     return statistics.median(rounds)
+
+
+def _seconds_per_call(call: Callable[[], object], seconds: float, calls: int = 1) -> float:
+    """Mean seconds of back-to-back `call`s over at least `seconds` and `calls`: sustained, so that
+    workers outnumbering the cores share them over a scheduler's time slices, as in training."""
+    start, done = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds or done < calls:
+        call()
+        done += 1
+    return (time.perf_counter() - start) / done
 
 
 def compute_scale(cluster: Cluster, reference_seconds: float) -> float:
