@@ -3,10 +3,12 @@
     python benchmarks/planner_validation.py [--steps 12] [--rounds 1] [--runs tiny-1 tiny-ddp2 ...]
                                             [--clusters DIR] [--measured FILE.json]
 
-For each run in RUNS, `paralm calibrate` first measures this machine for its process count (right
-before the run, since the machine's load drifts; `--clusters DIR` keeps and reuses the files; a
-parameter server's servers compute nothing, so its workers are calibrated without them), then
-the run trains through `paralm train` as a user would, and `paralm plan` prices exactly its layout
+Before every run in every round, `paralm calibrate` measures this machine for that run's process
+count (a parameter server's servers compute nothing, so its workers are calibrated without them):
+a shared host's speed can drift by a fifth within minutes, so each round's steps are compared with a
+calibration taken just before them, as `--parallel.auto` calibrates and then trains (`--clusters
+DIR` keeps the files and reuses them to price the same rounds again). Then the run trains through
+`paralm train` as a user would, and `paralm plan` prices exactly its layout
 (every layout field fixed on the command line) with `--recipe fp32-master`, how paralm stores model
 states. Measured figures come from metrics.jsonl, over the steps after the first two: model states,
 the peak memory and the fastest and median step times. The median is what calibration predicts:
@@ -23,7 +25,8 @@ setting slows CPU training by 10-40%, so the step times come from the first run.
 Rows cover DDP, ZeRO-1/2/3 (with accumulation), HSDP, TP, TP+SP, PP (two schedules), 3-D, the
 parameter server and local SGD on 1-8 CPU ranks. Measure on a quiet machine (check `uptime` before
 and during). `--rounds N` trains every run N times, round-robin (so a disturbance of the machine
-moves one round of a few rows, not all rounds of one), and takes the median over all rounds' steps.
+moves one round of a few rows, not all rounds of one); a row's step ratio is the median over rounds of
+that round's prediction over that round's median step.
 Layouts of one model often differ by less than the machine moves a row between rounds; the ranking
 then also counts, among the pairs of layouts whose rounds' medians do not overlap (the pairs the
 measurement resolves), those the planner orders as measured.
@@ -160,12 +163,11 @@ def fixed(run: Run) -> list[str]:
     return [arg for arg in FIXED if arg.split("=")[0] not in given]
 
 
-def calibrate(run: Run, folder: Path, reuse: bool) -> Path:
-    """A cluster file for `run`'s processes; a parameter server's servers compute nothing, so the
-    workers are measured without them."""
+def calibrate(run: Run, path: Path) -> Path:
+    """A cluster file for `run`'s processes at `path` (kept if it exists); a parameter server's servers
+    compute nothing, so the workers are measured without them."""
     servers = next((arg.split("=")[1] for arg in run.args if arg.startswith("--sync.ps_servers=")), "0")
-    path = folder / (f"cluster-{run.nproc}.toml" if servers == "0" else f"cluster-{run.nproc}-ps{servers}.toml")
-    if not (reuse and path.exists()):
+    if not path.exists():
         subprocess.run(
             [
                 sys.executable,
@@ -251,16 +253,15 @@ def measure_again(run: Run, steps: int, threads: int, folder: Path, known: dict)
     known["load"].append(os.getloadavg()[0])
 
 
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
-def measure_rounds(runs: list[Run], args: argparse.Namespace, known: dict, folder: Path, tmp: Path) -> dict[str, Path]:
-    """Train the runs not yet in `known` (enough rounds of each), round-robin; each run's cluster file."""
-    cores, clusters = os.cpu_count() or 1, {}
+def measure_rounds(
+    runs: list[Run], args: argparse.Namespace, known: dict, folder: Path, tmp: Path
+) -> dict[str, list[Path]]:
+    """Train the runs not yet in `known` (enough rounds of each), round-robin, each round right after
+    its own calibration; per run, each round's cluster file."""
+    cores, clusters = os.cpu_count() or 1, {run.name: [] for run in runs}
     for round_ in range(args.rounds):
         for run in runs:
-            clusters[run.name] = calibrate(run, folder, reuse=args.clusters is not None or round_ > 0)
+            clusters[run.name].append(calibrate(run, folder / f"cluster-{run.name}-round{round_ + 1}.toml"))
             threads = max(1, cores // run.nproc)
             if run.name not in known:
                 known[run.name] = measure(run, args.steps, threads, tmp)
@@ -274,16 +275,24 @@ def measure_rounds(runs: list[Run], args: argparse.Namespace, known: dict, folde
     return clusters
 
 
-def price(runs: list[Run], known: dict, clusters: dict[str, Path]) -> tuple[list[list[str]], list[float], list[float]]:
-    """The table's rows, and per run the predicted and the measured (median) step time."""
+def price(
+    runs: list[Run], known: dict, clusters: dict[str, list[Path]]
+) -> tuple[list[list[str]], list[float], list[float]]:
+    """The table's rows, and per run the predicted (median over rounds) and the measured (median) step
+    time. Memory is measured in the first round, so the first round's calibration prices it."""
     rows, predicted_s, measured_s = [], [], []
     for run in runs:
-        measured, predicted = known[run.name], predict(run, clusters[run.name])
-        steps = [t for times in measured["rounds"] for t in times]
-        states = sum(predicted.get(k, 0) for k in STATE_KEYS), measured["states"]
-        peak = predicted["mem_bytes_per_device"], measured["peak"]
-        predicted_s.append(predicted["step_time_s"])
-        measured_s.append(median(steps))
+        measured = known[run.name]
+        # the rounds asked for now (a file may hold more)
+        predictions = [predict(run, cluster) for cluster in clusters[run.name]]
+        round_medians = [statistics.median(times) for times in measured["rounds"][: len(predictions)]]
+        round_predicted = [p["step_time_s"] for p in predictions]
+        ratios = [p / m for p, m in zip(round_predicted, round_medians, strict=True)]
+        steps = [t for times in measured["rounds"][: len(predictions)] for t in times]
+        states = sum(predictions[0].get(k, 0) for k in STATE_KEYS), measured["states"]
+        peak = predictions[0]["mem_bytes_per_device"], measured["peak"]
+        predicted_s.append(statistics.median(round_predicted))
+        measured_s.append(statistics.median(steps))
         rows.append(
             [
                 run.name,
@@ -295,11 +304,11 @@ def price(runs: list[Run], known: dict, clusters: dict[str, Path]) -> tuple[list
                 f"{peak[1] / 2**20:.0f}",
                 f"{peak[0] / peak[1]:.2f}",
                 f"{measured['kept'] / 2**20:.0f}",
-                f"{1e3 * predicted['step_time_s']:.1f}",
-                f"{1e3 * min(steps):.1f}",
-                " / ".join(f"{1e3 * median(times):.0f}" for times in measured["rounds"]),
-                f"{1e3 * median(steps):.1f}",
-                f"{predicted['step_time_s'] / median(steps):.2f}",
+                " / ".join(f"{1e3 * t:.0f}" for t in round_predicted),
+                " / ".join(f"{1e3 * t:.0f}" for t in round_medians),
+                f"{1e3 * min(steps):.0f}",
+                " / ".join(f"{r:.2f}" for r in ratios),
+                f"{statistics.median(ratios):.2f}",
                 " / ".join(f"{load:.1f}" for load in measured["load"]),
             ]
         )
@@ -310,7 +319,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--runs", nargs="+", default=[r.name for r in RUNS], choices=[r.name for r in RUNS])
-    parser.add_argument("--clusters", type=Path, help="folder for (or with) cluster-N.toml; default: temporary")
+    parser.add_argument(
+        "--clusters", type=Path, help="folder for (or with) each round's cluster files (default: temporary)"
+    )
     parser.add_argument(
         "--measured",
         type=Path,
@@ -337,17 +348,17 @@ def main() -> None:
             "meas",
             "ratio",
             "RSS, freed kept",
-            "step ms pred",
+            "step ms pred (rounds)",
+            "measured medians",
             "fastest",
-            "rounds' medians",
-            "median",
-            "pred/median",
+            "pred/measured (rounds)",
+            "median ratio",
             "load after",
         ],
         rows,
     )
     print("\nranking of the layouts by step time, predicted against the measured median:")
-    per_round = [[median(times) for times in known[run.name]["rounds"]] for run in runs]
+    per_round = [[statistics.median(times) for times in known[run.name]["rounds"][: args.rounds]] for run in runs]
     print("\n".join(ranking(runs, predicted_s, measured_s, per_round)))
 
 
