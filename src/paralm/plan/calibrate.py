@@ -31,7 +31,7 @@ what each one gets during training:
 - the compute scale (CPUs): a reference stack of transformer blocks, forward and backward, sustained,
   median of rounds, against what the figures above price it at: what kernels lose beside each other
   (caches left cold by the other kernels, and by other workers when they outnumber the cores) that
-  each measured alone does not (on 2 cores: 1.05-1.07 for 1 process, 1.02-1.04 for 2, 1.04-1.21 for 4);
+  each measured alone does not (on 2 cores, 1-8 processes: median 1.01 over 60 calibrations, 0.85-1.66);
 - the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
 One machine has no inter-node link: the file repeats the intra-node figures there.
 """

@@ -67,8 +67,8 @@ class Cluster:
     counting_latency: float = 0.0
     # What a training step's kernels take beside each other over what each measured alone predicts (the
     # roofline of `kernels`): caches that other kernels, or other workers sharing the cores, left cold.
-    # Calibrate measures it on CPUs from a reference stack of blocks (2 cores: 1.02-1.04 for 2 workers,
-    # 1.04-1.21 for 4); 1 on GPUs, where kernels run one at a time on the device (the presets' assumption).
+    # Calibrate measures it on CPUs from a reference stack of blocks (2 cores, 1-8 workers: median 1.01,
+    # 0.85-1.66); 1 on GPUs, where kernels run one at a time on the device (the presets' assumption).
     compute_scale: float = 1.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
