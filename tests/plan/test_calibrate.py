@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from paralm import hardware
-from paralm.compat import current_dispatch_mode
-from paralm.plan import calibrate, kernels
+from paralm.plan import calibrate, dispatch, kernels
 from paralm.plan.cluster import PRESETS
 
 
@@ -33,22 +32,6 @@ def test_the_matmul_curves_are_measured_on_thin_matmuls_of_each_smallest_side(mo
         assert measured[f"gemm_{dtype}_32"] == 32 / largest
     assert measured["peak_fp32"] == 1e9 * largest
     assert measured["peak_bf16"] == 1e8 * largest
-
-
-def test_the_counting_latency_is_what_the_counter_adds_to_the_same_block(monkeypatch) -> None:
-    """The block runs in alternating rounds outside and inside the byte counter's mode; on a clock that
-    each block's backward moves by 3 units under the mode and 1 outside, the kernel latency is 1 and the
-    counting latency 2 (per the kernels the cost model counts in a block)."""
-    now = [0.0]
-
-    def backward(self, *args, **kwargs) -> None:
-        now[0] += 3.0 if current_dispatch_mode() is not None else 1.0
-
-    monkeypatch.setattr(torch.Tensor, "backward", backward)
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
-    measured = calibrate._kernel_latency(torch.device("cpu"), lambda: None)
-    assert measured["kernel_latency"] == pytest.approx(1.0 / calibrate.BLOCK_STEP_KERNELS)
-    assert measured["counting_latency"] == pytest.approx(2.0 / calibrate.BLOCK_STEP_KERNELS)
 
 
 def test_each_size_is_a_fraction_of_its_own_rounds_best() -> None:
@@ -84,7 +67,7 @@ def test_the_compute_scale_is_the_reference_over_its_price() -> None:
 def test_the_reference_runs_in_rounds_with_every_worker(monkeypatch) -> None:
     """Each round starts with every worker at once and runs at least two calls."""
     starts, now = [], [0.0]
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: now[0])
 
     def backward(self, *args, **kwargs) -> None:
         now[0] += 0.25

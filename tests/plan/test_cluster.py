@@ -79,8 +79,8 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     path.write_text(text.replace('gemm_shape = "square"', 'gemm_shape = "round"'))
     with pytest.raises(UserError, match="gemm_shape must be one of square, thin"):
         load_cluster(path)
-    path.write_text(text.replace("counting_latency = 0.0", "counting_latency = -1e-05"))
-    with pytest.raises(UserError, match="counting_latency must be at least 0"):
+    path.write_text(text.replace("tensor_parallel_latency = 0.0", "tensor_parallel_latency = -1e-05"))
+    with pytest.raises(UserError, match="tensor_parallel_latency must be at least 0"):
         load_cluster(path)
     path.write_text(text.replace("compute_scale = 1.0", "compute_scale = 0.0"))
     with pytest.raises(UserError, match="compute_scale must be positive"):

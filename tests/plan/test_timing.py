@@ -84,10 +84,10 @@ def test_the_compute_scale_stretches_compute_and_nothing_else() -> None:
         assert base.compute_s > 0 and (base.tp_comm_s > 0 or base.recompute_s > 0)
 
 
-def test_the_byte_counter_is_priced_where_it_stays_on() -> None:
-    """Tensor-parallel steps run under the byte counter's per-operator mode: each of their kernels
-    costs `counting_latency` more; other layouts (the counter is suspended) nothing."""
-    counting = dataclasses.replace(IDEAL, counting_latency=1.0)
+def test_dtensor_dispatch_is_priced_in_tensor_parallel_steps_only() -> None:
+    """Tensor-parallel steps run their kernels on DTensors under the byte counter's per-operator mode:
+    each costs `tensor_parallel_latency` more; other layouts nothing."""
+    counting = dataclasses.replace(IDEAL, tensor_parallel_latency=1.0)
     for plain in (_layout(dp_shard=64), _layout(dp_shard=16, zero=3), _layout(dp_shard=16, pp=4, micro_batch_size=4)):
         assert step_time(plain, _work(), counting) == step_time(plain, _work(), IDEAL)
     parallel = _layout(dp_shard=16, tp=4, micro_batch_size=4)

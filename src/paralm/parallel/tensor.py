@@ -52,22 +52,27 @@ def tensor_parallel_plan(model: GPT, sequence_parallel: bool) -> dict[str, Paral
         if sequence_parallel:
             plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     for key in model.blocks:
-        block = f"blocks.{key}"
-        for part, projections, output in (("attn", ("wq", "wk", "wv"), "wo"), ("mlp", ("fc",), "proj")):
-            if sequence_parallel:
-                plan[f"{block}.ln_{1 if part == 'attn' else 2}"] = SequenceParallel()
-            # one DTensor input shared by q, k and v: their input gradients add up locally and are
-            # all-reduced (or reduce-scattered) once, not once per projection
-            plan[f"{block}.{part}"] = PrepareModuleInput(
-                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
-            )
-            for name in projections:
-                plan[f"{block}.{part}.{name}"] = ColwiseParallel()
-            plan[f"{block}.{part}.{output}"] = RowwiseParallel(output_layouts=residual)
+        plan |= block_plan(sequence_parallel, prefix=f"blocks.{key}.")
     if model.lm_head is not None:
         if sequence_parallel:
             plan["ln_f"] = SequenceParallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def block_plan(sequence_parallel: bool, prefix: str = "") -> dict[str, ParallelStyle]:
+    """The DTensor plan of one `Block` whose submodules are named `prefix` + their names in the block."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    for part, projections, output in (("attn", ("wq", "wk", "wv"), "wo"), ("mlp", ("fc",), "proj")):
+        if sequence_parallel:
+            plan[f"{prefix}ln_{1 if part == 'attn' else 2}"] = SequenceParallel()
+        # one DTensor input shared by q, k and v: their input gradients add up locally and are
+        # all-reduced (or reduce-scattered) once, not once per projection
+        plan[f"{prefix}{part}"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
+        for name in projections:
+            plan[f"{prefix}{part}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}{part}.{output}"] = RowwiseParallel(output_layouts=residual)
     return plan
 
 

@@ -13,11 +13,9 @@ what each one gets during training:
   default training dtype's (bf16 on CUDA, fp32 on CPU) in alternating rounds with every worker starting
   each size at once, each size's median; the other dtypes' in one pass;
 - kernel latency: on a GPU the fastest tiny elementwise kernel (a launch: the host runs ahead of the
-  device); on a CPU, where the host's work is the device's, a transformer block of negligible
-  arithmetic, forward and backward as training runs them (autograd, views, dispatch), sustained,
-  median of rounds, over the kernels the cost model counts in them (1 process on 2 cores: 32 us per
-  kernel, where the fastest tiny kernel takes 10); and what the byte counter's dispatch mode adds to
-  each, the same block inside it, which tensor-parallel steps pay (0 on GPUs);
+  device); on a CPU, where the host's work is the device's, what issuing a kernel costs in training,
+  and what a tensor-parallel step's DTensor dispatch adds to it (`paralm.plan.dispatch`; 1 process on
+  2 cores: 32 us per kernel, where the fastest tiny kernel takes 10);
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
@@ -38,7 +36,6 @@ One machine has no inter-node link: the file repeats the intra-node figures ther
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -46,7 +43,6 @@ import resource
 import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from datetime import date
 from multiprocessing.synchronize import Barrier
@@ -57,10 +53,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paralm.model import Block, GPTConfig
-from paralm.parallel.comm_stats import CommStats
 from paralm.plan.cluster import Cluster
 from paralm.plan.collectives import fastest, measure_collectives
-from paralm.plan.kernels import BLOCK_STEP_KERNELS, block_forward
+from paralm.plan.dispatch import kernel_latencies, seconds_per_call
+from paralm.plan.kernels import block_forward
 from paralm.plan.shape import ModelShape
 from paralm.plan.timing import optimizer_bytes_per_param
 
@@ -115,7 +111,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         gemm_efficiency=curves.pop(_curve_dtype(cuda)),
         dtype_gemm_efficiency=curves,
         kernel_latency=measured["kernel_latency"],
-        counting_latency=measured["counting_latency"],
+        tensor_parallel_latency=measured["tensor_parallel_latency"],
         runtime_bytes=measured["runtime_bytes"],
         reduce_scatter_factor=measured["reduce_scatter_factor"],
         all_gather_factor=measured["all_gather_factor"],
@@ -204,7 +200,7 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     # of one size. (The best round would be the luckiest share of the cores: 20% over the fair share
     # with 4 workers on 2.)
     measured |= _curve_from_rounds(dtype, [{n: rate(dtype, n) for n in sizes} for _ in range(ROUNDS)])
-    measured |= _kernel_latency(device, together)
+    measured |= kernel_latencies(device, together)
     if not cuda:
         measured["reference_seconds"] = _reference_seconds(together)
 
@@ -240,30 +236,6 @@ def _curve_from_rounds(dtype: str, rounds: list[dict[int, float]]) -> dict[str, 
     return {f"peak_{dtype}": peak} | curve
 
 
-def _kernel_latency(device: torch.device, together: Callable[[], object]) -> dict[str, float]:
-    """Seconds the cost model adds per kernel, `kernel_latency` (see the module's docstring), and what
-    the byte counter's dispatch mode adds to each where it stays on, `counting_latency`: the same
-    block inside `CommStats.counting()`, in alternating rounds. On a CPU each round runs the block for
-    0.1 s: one call (~2 ms) fits in a time slice of the scheduler, so timing calls alone would miss
-    that workers outnumbering the cores share them."""
-    together()
-    if device.type == "cuda":
-        one = torch.ones(1, device=device)
-        return {"kernel_latency": fastest(lambda: one.add_(1.0), device, repeats=50), "counting_latency": 0.0}
-    block = Block(GPTConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=8))
-    x = torch.randn(1, 8, 8, requires_grad=True)
-    block(x).sum().backward()
-    counter = CommStats()
-    rounds: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(ROUNDS):
-        for counted, seconds in rounds.items():
-            together()
-            with counter.counting() if counted else contextlib.nullcontext():
-                seconds.append(_seconds_per_call(lambda: block(x).sum().backward(), 0.1))
-    plain, counted = (statistics.median(rounds[c]) / BLOCK_STEP_KERNELS for c in (False, True))
-    return {"kernel_latency": plain, "counting_latency": max(0.0, counted - plain)}
-
-
 def _reference_seconds(together: Callable[[], object]) -> float:
     """Seconds of one forward and backward of `REFERENCE` (`REFERENCE_SEQUENCES` sequences), sustained
     for 0.3 s (at least 2 calls) in alternating rounds with every worker at once, median of the rounds:
@@ -275,18 +247,8 @@ def _reference_seconds(together: Callable[[], object]) -> float:
     rounds = []
     for _ in range(ROUNDS):
         together()
-        rounds.append(_seconds_per_call(lambda: blocks(x).sum().backward(), 0.3, calls=2))
+        rounds.append(seconds_per_call(lambda: blocks(x).sum().backward(), 0.3, calls=2))
     return statistics.median(rounds)
-
-
-def _seconds_per_call(call: Callable[[], object], seconds: float, calls: int = 1) -> float:
-    """Mean seconds of back-to-back `call`s over at least `seconds` and `calls`: sustained, so that
-    workers outnumbering the cores share them over a scheduler's time slices, as in training."""
-    start, done = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds or done < calls:
-        call()
-        done += 1
-    return (time.perf_counter() - start) / done
 
 
 def compute_scale(cluster: Cluster, reference_seconds: float) -> float:

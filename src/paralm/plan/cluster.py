@@ -61,10 +61,11 @@ class Cluster:
     # Seconds a blocking collective between compute adds beyond its transfer: the ranks' skew, as
     # other work on shared cores delays one of them (0 on dedicated GPUs, the presets' assumption).
     sync_cost: float = 0.0
-    # Seconds the byte counter's per-operator dispatch mode (`paralm.parallel.comm_stats`) adds to each
-    # kernel where it stays on in forward and backward: tensor-parallel steps. Measured by
-    # calibrate on CPUs; 0 on GPUs (the presets' assumption: the host runs ahead of the device).
-    counting_latency: float = 0.0
+    # Seconds a tensor-parallel step adds to each kernel where the host issues them at the device's pace
+    # (CPUs): DTensor's dispatch and the byte counter's per-operator mode, which stays on for DTensor
+    # (`paralm.plan.dispatch`). Measured by calibrate on CPUs; 0 on GPUs (the presets' assumption: the
+    # host runs ahead of the device).
+    tensor_parallel_latency: float = 0.0
     # What a training step's kernels take beside each other over what each measured alone predicts (the
     # roofline of `kernels`): caches that other kernels, or other workers sharing the cores, left cold.
     # Calibrate measures it on CPUs from a reference stack of blocks (2 cores, 1-8 workers: median 1.01,
@@ -263,8 +264,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
     if cluster.compute_scale <= 0:
         raise UserError(f"{path}: compute_scale must be positive (1: kernels as the roofline prices them)")
-    if min(cluster.sync_cost, cluster.counting_latency) < 0:
-        raise UserError(f"{path}: sync_cost and counting_latency must be at least 0 seconds")
+    if min(cluster.sync_cost, cluster.tensor_parallel_latency) < 0:
+        raise UserError(f"{path}: sync_cost and tensor_parallel_latency must be at least 0 seconds")
     if cluster.gemm_shape not in GEMM_SHAPES:
         raise UserError(f"{path}: gemm_shape must be one of {', '.join(GEMM_SHAPES)}, got {cluster.gemm_shape!r}")
     for name, points in [("gemm_efficiency", curve), *(("dtype_gemm_efficiency." + k, v) for k, v in curves.items())]:

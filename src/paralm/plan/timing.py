@@ -24,8 +24,8 @@ Stated assumptions:
 - FSDP (ZeRO-2/3) also copies parameters and gradients in and out of its flat collective buffers:
   memory-bound, not hidden;
 - the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`;
-- paralm counts every byte it communicates: tensor-parallel steps (DTensor) do so through a
-  per-operator dispatch mode, which adds `Cluster.counting_latency` to each of their kernels.
+- on a host that issues kernels at the device's pace (CPUs), a tensor-parallel step's kernels run on
+  DTensors, under the byte counter's per-operator mode: each costs `Cluster.tensor_parallel_latency` more.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
 
 def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool = True) -> StepTime:
     shape, p, v, m, ga = work.shape, layout.pp, layout.pp_virtual_stages, layout.pp_microbatches, layout.grad_accum
-    if layout.tp > 1:  # the byte counter's mode stays on for DTensor (`StepRunner.counts_its_collectives`)
-        cluster = dataclasses.replace(cluster, kernel_latency=cluster.kernel_latency + cluster.counting_latency)
+    if layout.tp > 1:  # DTensor's dispatch, under the byte counter (`StepRunner.counts_its_collectives`)
+        cluster = dataclasses.replace(cluster, kernel_latency=cluster.kernel_latency + cluster.tensor_parallel_latency)
     ranks = layout.critical_ranks(shape)
     costs = [_micro_batch(layout, work, cluster, r) for r in ranks]
     mb = max(costs, key=lambda c: c.f + c.r + c.b_in + c.w + c.tp_f + c.tp_b)  # the slowest rank paces all
