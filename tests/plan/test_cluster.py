@@ -65,7 +65,7 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
                 "comm_",
                 "sync_",
                 "gemm_shape",
-                "counting_",
+                "tensor_parallel_",
                 "compute_scale",
                 "[cluster.dtype_gemm",
             )
@@ -82,9 +82,10 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     path.write_text(text.replace("tensor_parallel_latency = 0.0", "tensor_parallel_latency = -1e-05"))
     with pytest.raises(UserError, match="tensor_parallel_latency must be at least 0"):
         load_cluster(path)
-    path.write_text(text.replace("compute_scale = 1.0", "compute_scale = 0.0"))
-    with pytest.raises(UserError, match="compute_scale must be positive"):
-        load_cluster(path)
+    for scale in ("compute_scale", "tensor_parallel_scale"):
+        path.write_text(text.replace(f"{scale} = 1.0", f"{scale} = 0.0"))
+        with pytest.raises(UserError, match="compute_scale and tensor_parallel_scale must be positive"):
+            load_cluster(path)
 
 
 def test_with_devices_keeps_the_hardware() -> None:

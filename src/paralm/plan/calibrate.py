@@ -30,6 +30,9 @@ what each one gets during training:
   median of rounds, against what the figures above price it at: what kernels lose beside each other
   (caches left cold by the other kernels, and by other workers when they outnumber the cores) that
   each measured alone does not (on 2 cores, 1-8 processes: median 1.01 over 60 calibrations, 0.85-1.66);
+- the tensor-parallel scale (CPUs, an even number of devices): blocks parallelized over pairs of the
+  workers (`paralm.plan.tp_reference`), against their price: what a tensor-parallel step's compute
+  and collectives do to each other;
 - the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
 One machine has no inter-node link: the file repeats the intra-node figures there.
 """
@@ -53,12 +56,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paralm.model import Block, GPTConfig
+from paralm.plan import tp_reference
 from paralm.plan.cluster import Cluster
 from paralm.plan.collectives import fastest, measure_collectives
 from paralm.plan.dispatch import kernel_latencies, seconds_per_call
 from paralm.plan.kernels import block_forward
 from paralm.plan.shape import ModelShape
-from paralm.plan.timing import optimizer_bytes_per_param
+from paralm.plan.timing import optimizer_bytes_per_param, tensor_parallel_blocks
 
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
@@ -84,7 +88,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
         # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
-        mp.spawn(_communication_worker, args=(workers, threads, tmp), nprocs=workers, join=True)
+        mp.spawn(_communication_worker, args=(workers, threads, tmp, devices), nprocs=workers, join=True)
         together = mp.get_context("spawn").Barrier(computing)
         mp.spawn(_compute_worker, args=(devices, threads, tmp, together), nprocs=computing, join=True)
         measured = {
@@ -122,9 +126,14 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
     )
     if cuda:
         return cluster
-    scale = compute_scale(cluster, measured["reference_seconds"])
-    log(f"  compute_scale: {scale:.4g}")
-    return dataclasses.replace(cluster, compute_scale=scale)
+    cluster = dataclasses.replace(cluster, compute_scale=compute_scale(cluster, measured["reference_seconds"]))
+    if "tp_reference_seconds" in measured:
+        scale = measured["tp_reference_seconds"] / tensor_parallel_blocks(
+            cluster, tp_reference.REFERENCE, tp_reference.REFERENCE_SEQUENCES, tp_reference.TP
+        )
+        cluster = dataclasses.replace(cluster, tensor_parallel_scale=scale)
+    log(f"  compute_scale: {cluster.compute_scale:.4g}, tensor_parallel_scale: {cluster.tensor_parallel_scale:.4g}")
+    return cluster
 
 
 def _rising(sizes: tuple[int, ...], fractions: list[float]) -> tuple[tuple[float, float], ...]:
@@ -142,7 +151,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _communication_worker(rank: int, workers: int, threads: int, folder: str) -> None:
+def _communication_worker(rank: int, workers: int, threads: int, folder: str, devices: int) -> None:
     gpus = torch.cuda.device_count()
     nccl = gpus >= workers  # otherwise gloo between processes, as `paralm train` on CPUs
     device = torch.device("cuda", rank) if nccl else torch.device("cpu")
@@ -151,6 +160,8 @@ def _communication_worker(rank: int, workers: int, threads: int, folder: str) ->
     torch.set_num_threads(threads)
     dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=workers)
     measured = measure_collectives(device, workers)
+    if not torch.cuda.is_available() and devices >= tp_reference.TP and devices % tp_reference.TP == 0:
+        measured["tp_reference_seconds"] = tp_reference.reference_seconds(ROUNDS)
     if rank == 0:
         (Path(folder) / "communication.json").write_text(json.dumps(measured))
     dist.barrier()

@@ -71,6 +71,11 @@ class Cluster:
     # Calibrate measures it on CPUs from a reference stack of blocks (2 cores, 1-8 workers: median 1.01,
     # 0.85-1.66); 1 on GPUs, where kernels run one at a time on the device (the presets' assumption).
     compute_scale: float = 1.0
+    # What a tensor-parallel step's compute and collectives take over what the figures above price them
+    # at: what they do to each other on a shared host (matmuls between gloo collectives run slower).
+    # Calibrate measures it on CPUs from a reference of blocks over pairs of workers
+    # (`paralm.plan.tp_reference`); 1 on GPUs (the presets' assumption).
+    tensor_parallel_scale: float = 1.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
     gemm_shape: str = "square"
@@ -262,8 +267,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
     if min(cluster.reduce_scatter_factor, cluster.all_gather_factor) <= 0 or not 0 <= cluster.comm_overlap <= 1:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
-    if cluster.compute_scale <= 0:
-        raise UserError(f"{path}: compute_scale must be positive (1: kernels as the roofline prices them)")
+    if min(cluster.compute_scale, cluster.tensor_parallel_scale) <= 0:
+        raise UserError(f"{path}: compute_scale and tensor_parallel_scale must be positive (1: as the figures price)")
     if min(cluster.sync_cost, cluster.tensor_parallel_latency) < 0:
         raise UserError(f"{path}: sync_cost and tensor_parallel_latency must be at least 0 seconds")
     if cluster.gemm_shape not in GEMM_SHAPES:

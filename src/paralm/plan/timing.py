@@ -25,7 +25,9 @@ Stated assumptions:
   memory-bound, not hidden;
 - the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`;
 - on a host that issues kernels at the device's pace (CPUs), a tensor-parallel step's kernels run on
-  DTensors, under the byte counter's per-operator mode: each costs `Cluster.tensor_parallel_latency` more.
+  DTensors, under the byte counter's per-operator mode: each costs `Cluster.tensor_parallel_latency`
+  more; and its compute and collectives, beside each other on shared cores, take
+  `Cluster.tensor_parallel_scale` times what they are priced at (both measured by calibrate).
 """
 
 from __future__ import annotations
@@ -82,36 +84,58 @@ class _MicroBatch:
 
 def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> _MicroBatch:
     shape, t, e = work.shape, layout.tp, work.element_bytes
-    block = kernels.block_forward(
-        cluster, work.dtype, shape, layout.pipeline_batch, t, layout.sequence_parallel and t > 1, e
-    )
+    sp = layout.sequence_parallel and t > 1
+    block = kernels.block_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, sp, e)
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e) if rank.has_head else 0.0
     recomputed = layout.checkpointed_blocks(rank.layers)
-    tp_link = cluster.link(*group_strides(layout)["tp"])
     activation = layout.pipeline_batch * shape.block_size * shape.d_model * e
-    if layout.sequence_parallel and t > 1:
-        # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec.
-        # 4.2.2), at the backend's speed for each, and is two blocking collectives, not one.
-        all_reduce = comm.all_gather(activation, t, tp_link) + comm.reduce_scatter(activation, t, tp_link)
-        all_reduce += 2 * cluster.sync_cost  # each waits for the slowest rank of the group
-    else:
-        all_reduce = comm.all_reduce(activation, t, tp_link) + (cluster.sync_cost if t > 1 else 0.0)
+    all_reduce = _tensor_parallel_all_reduce(cluster, activation, t, cluster.link(*group_strides(layout)["tp"]), sp)
+    scale = cluster.tensor_parallel_scale if t > 1 else 1.0
     return _MicroBatch(
-        f=rank.layers * block.forward + head,
-        r=recomputed * block.forward,
-        b_in=rank.layers * block.input_gradients + head,
-        w=rank.layers * block.weight_gradients + head,
+        f=scale * (rank.layers * block.forward + head),
+        r=scale * recomputed * block.forward,
+        b_in=scale * (rank.layers * block.input_gradients + head),
+        w=scale * (rank.layers * block.weight_gradients + head),
         # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
-        tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,
-        tp_b=(2 * rank.layers + rank.has_head + 2 * recomputed) * all_reduce,
+        tp_f=scale * (2 * rank.layers + rank.has_embedding) * all_reduce,
+        tp_b=scale * (2 * rank.layers + rank.has_head + 2 * recomputed) * all_reduce,
     )
+
+
+def _tensor_parallel_all_reduce(cluster: Cluster, activation: float, t: int, link: Link, sp: bool) -> float:
+    """One of Megatron's f / g collectives on `activation` bytes, waiting for the slowest rank too."""
+    if t == 1:
+        return 0.0
+    if sp:
+        # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec.
+        # 4.2.2), at the backend's speed for each, and is two blocking collectives, not one.
+        return comm.all_gather(activation, t, link) + comm.reduce_scatter(activation, t, link) + 2 * cluster.sync_cost
+    return comm.all_reduce(activation, t, link) + cluster.sync_cost
+
+
+def tensor_parallel_blocks(cluster: Cluster, shape: ModelShape, sequences: int, tp: int) -> float:
+    """Seconds of `shape`'s blocks forward and backward, tensor-parallel over `tp` ranks of one node
+    (no SP, no head): what `paralm.plan.tp_reference` measures, priced as `step_time` prices them
+    (before `Cluster.tensor_parallel_scale`)."""
+    cluster = _dtensor_dispatch(cluster)
+    block = kernels.block_forward(cluster, "fp32", shape, sequences, tp, False, 4)
+    activation = sequences * shape.block_size * shape.d_model * 4
+    return shape.n_layer * (
+        block.training + 4 * _tensor_parallel_all_reduce(cluster, activation, tp, cluster.intra, False)
+    )
+
+
+def _dtensor_dispatch(cluster: Cluster) -> Cluster:
+    """`cluster` with each kernel issued on DTensors under the byte counter, as tensor-parallel steps run
+    (the counter stays on for DTensor: `StepRunner.counts_its_collectives`)."""
+    return dataclasses.replace(cluster, kernel_latency=cluster.kernel_latency + cluster.tensor_parallel_latency)
 
 
 def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool = True) -> StepTime:
     shape, p, v, m, ga = work.shape, layout.pp, layout.pp_virtual_stages, layout.pp_microbatches, layout.grad_accum
-    if layout.tp > 1:  # DTensor's dispatch, under the byte counter (`StepRunner.counts_its_collectives`)
-        cluster = dataclasses.replace(cluster, kernel_latency=cluster.kernel_latency + cluster.tensor_parallel_latency)
+    if layout.tp > 1:
+        cluster = _dtensor_dispatch(cluster)
     ranks = layout.critical_ranks(shape)
     costs = [_micro_batch(layout, work, cluster, r) for r in ranks]
     mb = max(costs, key=lambda c: c.f + c.r + c.b_in + c.w + c.tp_f + c.tp_b)  # the slowest rank paces all
