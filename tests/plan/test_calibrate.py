@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paralm import hardware
-from paralm.plan import calibrate, dispatch, kernels
+from paralm.plan import calibrate, comm, dispatch, kernels, tp_reference
 from paralm.plan.cluster import PRESETS
 
 
@@ -76,3 +76,26 @@ def test_the_reference_runs_in_rounds_with_every_worker(monkeypatch) -> None:
     seconds = calibrate._reference_seconds(lambda: starts.append(now[0]))
     assert len(starts) == calibrate.ROUNDS
     assert seconds == pytest.approx(0.25)
+
+
+def test_the_tensor_parallel_scale_is_the_tensor_parallel_reference_over_its_price() -> None:
+    """The reference's blocks priced as a tensor-parallel step prices them: each kernel with DTensor's
+    dispatch, four all-reduces of the activations per block each waiting for the slower rank, at the
+    cluster's compute scale; the scale the cluster already carries for tensor parallelism left out."""
+    cluster = dataclasses.replace(
+        PRESETS["h100"],
+        kernel_latency=3e-5,
+        tensor_parallel_latency=2e-4,
+        sync_cost=2e-3,
+        memory_bandwidth=5e9,
+        peak_flops={"fp32": 6e10},
+        compute_scale=1.2,
+    )
+    ref, sequences = tp_reference.REFERENCE, tp_reference.REFERENCE_SEQUENCES
+    dispatched = dataclasses.replace(cluster, kernel_latency=2.3e-4)
+    all_reduce = comm.all_reduce(sequences * ref.block_size * ref.d_model * 4, 2, cluster.intra) + 2e-3
+    block = kernels.block_forward(dispatched, "fp32", ref, sequences, 2, False, 4).training
+    price = ref.n_layer * (block + 4 * all_reduce)
+    assert calibrate.tensor_parallel_scale(cluster, 1.3 * price) == pytest.approx(1.3)
+    scaled = dataclasses.replace(cluster, tensor_parallel_scale=2.0)
+    assert calibrate.tensor_parallel_scale(scaled, 1.3 * price) == pytest.approx(1.3)

@@ -66,6 +66,7 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
                 "sync_",
                 "gemm_shape",
                 "tensor_parallel_",
+                "shared_cores",
                 "compute_scale",
                 "[cluster.dtype_gemm",
             )
@@ -79,9 +80,10 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     path.write_text(text.replace('gemm_shape = "square"', 'gemm_shape = "round"'))
     with pytest.raises(UserError, match="gemm_shape must be one of square, thin"):
         load_cluster(path)
-    path.write_text(text.replace("tensor_parallel_latency = 0.0", "tensor_parallel_latency = -1e-05"))
-    with pytest.raises(UserError, match="tensor_parallel_latency must be at least 0"):
-        load_cluster(path)
+    for field in ("tensor_parallel_latency", "shared_cores"):
+        path.write_text(text.replace(f"{field} = 0.0", f"{field} = -1e-05"))
+        with pytest.raises(UserError, match="tensor_parallel_latency and shared_cores must be at least 0"):
+            load_cluster(path)
     for scale in ("compute_scale", "tensor_parallel_scale"):
         path.write_text(text.replace(f"{scale} = 1.0", f"{scale} = 0.0"))
         with pytest.raises(UserError, match="compute_scale and tensor_parallel_scale must be positive"):

@@ -251,3 +251,30 @@ def test_groups_that_span_nodes_use_the_network() -> None:
 
 def _layout(**fields):
     return layout(**({"micro_batch_size": 64} | fields))
+
+
+def test_the_tensor_parallel_scale_multiplies_tensor_parallel_compute_and_collectives_only() -> None:
+    """A tensor-parallel step's compute and its collectives take `tensor_parallel_scale` times their
+    price; its data-parallel traffic and optimizer, and every layout without tensor parallelism, not."""
+    latency = dataclasses.replace(IDEAL, kernel_latency=1e-6, sync_cost=1e-4)
+    scaled = dataclasses.replace(latency, tensor_parallel_scale=2.0)
+    plain = _layout(dp_shard=16, zero=3)
+    assert step_time(plain, _work(), scaled) == step_time(plain, _work(), latency)
+    parallel = _layout(dp_shard=16, tp=4, micro_batch_size=4)
+    base, doubled = step_time(parallel, _work(), latency), step_time(parallel, _work(), scaled)
+    assert doubled.compute_s == pytest.approx(2 * base.compute_s)
+    assert doubled.tp_comm_s == pytest.approx(2 * base.tp_comm_s) and base.tp_comm_s > 0
+    assert (doubled.optimizer_s, doubled.dp_comm_s) == (base.optimizer_s, base.dp_comm_s)
+
+
+@pytest.mark.parametrize("cores,speedup", [(0.0, 1.0), (16.0, 1.0), (8.0, 1.0), (6.0, 8 / 6), (4.0, 2.0), (2.0, 2.0)])
+def test_the_bubble_runs_faster_where_processes_share_fewer_cores(cores: float, speedup: float) -> None:
+    """A node's 8 processes on `cores` shared cores: in the fill and drain half the stages wait (and
+    sleep), so the others get up to twice the cores; the steady state is priced as before."""
+    latency = dataclasses.replace(IDEAL, kernel_latency=1e-6)
+    shared = dataclasses.replace(latency, shared_cores=cores)
+    pipeline = _layout(dp_shard=16, pp=4, micro_batch_size=4)
+    base, timed = step_time(pipeline, _work(), latency), step_time(pipeline, _work(), shared)
+    assert base.bubble_s > 0 and latency.devices_per_node == 8
+    assert timed.bubble_s == pytest.approx(base.bubble_s / speedup)
+    assert dataclasses.replace(timed, bubble_s=0.0) == dataclasses.replace(base, bubble_s=0.0)

@@ -126,11 +126,13 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
     )
     if cuda:
         return cluster
-    cluster = dataclasses.replace(cluster, compute_scale=compute_scale(cluster, measured["reference_seconds"]))
+    cluster = dataclasses.replace(
+        cluster,
+        compute_scale=compute_scale(cluster, measured["reference_seconds"]),
+        shared_cores=float(os.cpu_count() or 1),
+    )
     if "tp_reference_seconds" in measured:
-        scale = measured["tp_reference_seconds"] / tensor_parallel_blocks(
-            cluster, tp_reference.REFERENCE, tp_reference.REFERENCE_SEQUENCES, tp_reference.TP
-        )
+        scale = tensor_parallel_scale(cluster, measured["tp_reference_seconds"])
         cluster = dataclasses.replace(cluster, tensor_parallel_scale=scale)
     log(f"  compute_scale: {cluster.compute_scale:.4g}, tensor_parallel_scale: {cluster.tensor_parallel_scale:.4g}")
     return cluster
@@ -267,6 +269,13 @@ def compute_scale(cluster: Cluster, reference_seconds: float) -> float:
     parallelism): what kernels lose beside each other that each measured alone does not."""
     blocks = block_forward(cluster, "fp32", REFERENCE, REFERENCE_SEQUENCES, 1, False, 4)
     return reference_seconds / (REFERENCE.n_layer * blocks.training / cluster.compute_scale)
+
+
+def tensor_parallel_scale(cluster: Cluster, reference_seconds: float) -> float:
+    """The tensor-parallel reference's measured seconds over their price with `cluster`'s figures (its
+    compute scale included): what tensor-parallel compute and collectives lose beside each other."""
+    price = tensor_parallel_blocks(cluster, tp_reference.REFERENCE, tp_reference.REFERENCE_SEQUENCES, tp_reference.TP)
+    return reference_seconds / price
 
 
 def _memory_bytes(device: torch.device, devices: int) -> float:

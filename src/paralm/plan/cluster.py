@@ -76,6 +76,10 @@ class Cluster:
     # Calibrate measures it on CPUs from a reference of blocks over pairs of workers
     # (`paralm.plan.tp_reference`); 1 on GPUs (the presets' assumption).
     tensor_parallel_scale: float = 1.0
+    # CPU cores a node's devices share (calibrate: the machine's), 0 where each device has its own
+    # (GPUs, the presets). Processes outnumbering the cores run one thread each and share them: a rank
+    # waiting for a pipeline peer leaves its share to the ranks still computing.
+    shared_cores: float = 0.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
     gemm_shape: str = "square"
@@ -269,8 +273,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
     if min(cluster.compute_scale, cluster.tensor_parallel_scale) <= 0:
         raise UserError(f"{path}: compute_scale and tensor_parallel_scale must be positive (1: as the figures price)")
-    if min(cluster.sync_cost, cluster.tensor_parallel_latency) < 0:
-        raise UserError(f"{path}: sync_cost and tensor_parallel_latency must be at least 0 seconds")
+    if min(cluster.sync_cost, cluster.tensor_parallel_latency, cluster.shared_cores) < 0:
+        raise UserError(f"{path}: sync_cost, tensor_parallel_latency and shared_cores must be at least 0")
     if cluster.gemm_shape not in GEMM_SHAPES:
         raise UserError(f"{path}: gemm_shape must be one of {', '.join(GEMM_SHAPES)}, got {cluster.gemm_shape!r}")
     for name, points in [("gemm_efficiency", curve), *(("dtype_gemm_efficiency." + k, v) for k, v in curves.items())]:

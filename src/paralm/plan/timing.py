@@ -10,6 +10,8 @@ Stated assumptions:
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path,
   each also waiting for the slowest rank it joins (`Cluster.sync_cost`, measured by calibrate; SP's
   pair is two such waits), and with SP one all-reduce of the replicated parameters' gradients per step;
+- the pipeline's fill and drain run up to 2x faster where a node's processes outnumber its shared
+  CPU cores (`Cluster.shared_cores`): the waiting stages' ranks sleep and leave them their cores;
 - ZeRO as paralm implements it: ZeRO-1 reduce-scatters the accumulated gradients after backward (not
   overlapped) and all-gathers the updated parameters, DDP's bytes; ZeRO-2/3 reduce gradients once per
   step after the last micro-step, or after every one with `Workload.sharded_accumulation`;
@@ -148,7 +150,7 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
         send = v * (comm.p2p(activation, cluster.link(*group_strides(layout)["pp"])) + cluster.sync_cost)
     forward = mb.f + mb.tp_f + send
     backward = mb.r + mb.b_in + mb.w + mb.tp_b + send
-    bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w)
+    bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w) / _bubble_speedup(cluster)
 
     params = max(rank_params(shape, layout, r) for r in ranks)
     dp_total, dp_exposed = _data_parallel(layout, work, cluster, params, forward * m, backward, overlap)
@@ -163,6 +165,17 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
         optimizer_s=_optimizer(layout, work, cluster, params),
         dp_comm_s=dp_total,
     )
+
+
+def _bubble_speedup(cluster: Cluster) -> float:
+    """How much faster the pipeline's fill and drain run than its steady state where a node's processes
+    share fewer cores (`Cluster.shared_cores`): on average half the stages compute in the fill and
+    drain, and a rank waiting for its peer sleeps (gloo), so the others get its share: up to 2x, when
+    the processes are at least twice the cores (8 processes on 2 cores: a matmul loop ran 1.97x faster
+    with half of them waiting in a receive)."""
+    if not cluster.shared_cores:
+        return 1.0
+    return min(2.0, max(1.0, cluster.devices_per_node / cluster.shared_cores))
 
 
 def _sequence_parallel_norms(layout: Layout, work: Workload, cluster: Cluster) -> float:
