@@ -26,7 +26,7 @@ from paralm.parallel.tensor import block_plan
 from paralm.plan.dispatch import seconds_per_call
 from paralm.plan.shape import ModelShape
 
-# Widths and sequences of the tensor-parallel rows' order; a shape no validated model shares.
+# Of the validated tensor-parallel rows' width and tokens per step, but a shape none of them has.
 REFERENCE = ModelShape(n_layer=2, n_head=4, d_model=256, block_size=128, vocab_size=8)
 REFERENCE_SEQUENCES = 8
 TP = 2  # the workers measure in pairs, as a 3-D layout's tensor-parallel groups run beside each other
@@ -43,9 +43,11 @@ def reference_seconds(rounds: int) -> float:
     for block in blocks:
         parallelize_module(block, mesh["tp"], block_plan(sequence_parallel=False))
     x = torch.randn(REFERENCE_SEQUENCES, REFERENCE.block_size, REFERENCE.d_model, requires_grad=True)
-    counter = CommStats()
-    with counter.counting():
-        step = lambda: blocks(x).sum().backward()  # noqa: E731
+
+    def step() -> None:
+        blocks(x).sum().backward()
+
+    with CommStats().counting():
         step()  # warm-up
         # Every rank runs the same number of calls (each call's collectives must match): enough for
         # 0.3 s on the slowest.
