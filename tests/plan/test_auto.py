@@ -7,9 +7,13 @@ import pytest
 import tomllib
 
 from paralm.cli import main
-from paralm.plan.auto import calibration_path, choose_layout
+from paralm.plan.auto import calibration_path, choose_layout, describe
 from paralm.plan.cluster import PRESETS, GiB
+from paralm.plan.memory import Memory
 from paralm.plan.request import load_request
+from paralm.plan.search import Plan
+from paralm.plan.timing import StepTime
+from tests.plan.helpers import layout
 
 TINY = ["--config", "configs/tiny.toml", "--model.n_layer=2"]
 
@@ -43,8 +47,10 @@ def test_fixed_fields_are_kept(fixed: list[str]) -> None:
     chosen = choose_layout(config, given, cluster, log=lines.append)
     ((key, value),) = given.items()
     assert getattr(chosen.parallel, key.split(".")[1]) == value and not chosen.parallel.auto
-    shown = len([line for line in lines if line.lstrip()[:2] in ("1.", "2.", "3.")])
-    assert 1 <= shown <= 3 and any("won" in line for line in lines) == (shown > 1)
+    candidates = [line.split(":")[0] for line in lines if line.lstrip()[:2] in ("1.", "2.", "3.")]
+    assert 1 <= len(candidates) <= 3 and any("won" in line for line in lines) == (len(candidates) > 1)
+    layouts = [c.split(".", 1)[1] for c in candidates]
+    assert len(set(layouts)) == len(layouts), f"candidates that read the same: {candidates}"
 
 
 @pytest.mark.slow
@@ -60,3 +66,15 @@ def test_auto_chooses_a_layout_and_trains(nproc: int, fixed: list[str], tmp_path
     recorded = tomllib.loads((run / "config.toml").read_text())["parallel"]
     key, value = fixed[0][2:].split("=")
     assert str(recorded[key.split(".")[1]]) == value and recorded["auto"] is False
+
+
+def test_candidates_differing_in_chunks_per_rank_read_differently() -> None:
+    """Interleaved schedules with 2 and 4 chunks per rank are different layouts: their lines say so."""
+
+    def plan(chunks: int) -> Plan:
+        lay = layout(dp_shard=2, pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=2, pp_virtual_stages=chunks)
+        return Plan(lay, Memory(*[0.0] * 8), StepTime(*[0.0] * 8), 0.0, 0.0)
+
+    two, four = describe(plan(2)), describe(plan(4))
+    assert two != four and " v2 " in two and " v4 " in four
+    assert " v1 " not in describe(plan(1))

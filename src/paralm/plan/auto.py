@@ -82,8 +82,10 @@ def choose_layout(config: Config, fixed: dict[str, Any], cluster: Cluster, log: 
 
 
 def describe(plan: Plan) -> str:
+    """A candidate in one line: the layout fields the search chooses, its step time and memory."""
     lay = plan.layout
-    pipeline = f" pp {lay.pp} {lay.pp_schedule} m{lay.pp_microbatches}" if lay.pp > 1 else ""
+    chunks = f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else ""  # chunks per rank
+    pipeline = f" pp {lay.pp} {lay.pp_schedule}{chunks} m{lay.pp_microbatches}" if lay.pp > 1 else ""
     shards = f"{lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else str(lay.dp)
     return (
         f"dp {shards} zero {lay.zero} tp {lay.tp}{'+sp' if lay.sequence_parallel else ''}{pipeline} "
