@@ -156,11 +156,11 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     shape, e = work.shape, work.element_bytes
     t, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
     params = rank_params(shape, layout, rank)
-    # ZeRO-1 (paralm.parallel.zero1) holds the whole gradients until its reduce-scatter after backward,
-    # as the paper's P_os: the model states at the end of backward, where the trainer measures them.
     states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
     if layout.zero >= 2 and layout.dp_shard > 1:
         states = _fsdp_states(states, params, layout, work)
+    elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.parallel.zero1 keeps the averaged gradient shard
+        states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
@@ -210,6 +210,8 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
       plus one block's unsharded gradients before their reduce-scatter;
     - otherwise, under mixed precision with fp32 parameters, autocast's cache of 16-bit weights (one
       copy of the rank's parameters, alive through the forward).
+    - ZeRO-1 (paralm.parallel.zero1): the whole local gradients during backward, until their
+      reduce-scatter leaves the rank its shard (counted in the model states);
     - ZeRO-2/3 accumulating with sync off until the last micro-step (FSDP's default, unless
       `parallel.shard_grads_every_microstep`): the whole unsharded gradients between micro-steps,
       reduce-scattered to the shard (the model states) in the last backward;
@@ -219,6 +221,8 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
     accumulating = layout.zero >= 2 and layout.dp_shard > 1 and layout.grad_accum > 1
     unsharded_grads = params * grad_bytes if accumulating and not work.sharded_accumulation else 0.0
+    if layout.zero == 1:
+        unsharded_grads = params * grad_bytes * (1 - 1 / layout.dp_shard)
     if layout.zero >= 3:
         gathered = params if layout.pp > 1 else 2 * layer
         return unsharded_grads + gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]

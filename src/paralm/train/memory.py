@@ -14,9 +14,9 @@ What is counted (unique tensors, a DTensor by its local shard):
 - parameters: after each training forward, those the module holds (gathered by FSDP where it keeps
   them for backward) together with the optimizer's (FSDP's sharded fp32 masters);
 - gradients: at the end of the last backward, before the optimizer step and any sync paralm runs
-  after backward (ZeRO-1's reduce-scatter follows, so its rank still holds every gradient, as the
-  paper's stage 1 counts them and the planner prices them; FSDP has reduce-scattered its own, so
-  only the shard: what it accumulated unsharded before is transient);
+  after backward (ZeRO-1's reduce-scatter follows, so its rank still holds every gradient, where
+  the paper and the planner count the shard it keeps; FSDP has reduce-scattered its own, so only
+  the shard: what it accumulated unsharded before is transient);
 - optimizer state: after the step (ZeRO-1: the local partition's).
 Where PyTorch keeps more than the paper's accounting, the measurement says so: FSDP's ZeRO-2 holds
 the gathered parameters and the sharded master copy (+4Ψ/N in fp32); autocast and FSDP's mixed
