@@ -213,7 +213,7 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     # of one size. (The best round would be the luckiest share of the cores: 20% over the fair share
     # with 4 workers on 2.)
     measured |= _curve_from_rounds(dtype, [{n: rate(dtype, n) for n in sizes} for _ in range(ROUNDS)])
-    measured |= kernel_latencies(device, together)
+    measured |= kernel_latencies(device, together, ROUNDS)
     if not cuda:
         measured["reference_seconds"] = _reference_seconds(together)
 

@@ -30,11 +30,10 @@ from paralm.parallel.tensor import block_plan
 from paralm.plan.collectives import fastest
 from paralm.plan.kernels import BLOCK_STEP_KERNELS
 
-ROUNDS = 5
 TINY_BLOCK = GPTConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=8)
 
 
-def kernel_latencies(device: torch.device, together: Callable[[], object], rounds: int = ROUNDS) -> dict[str, float]:
+def kernel_latencies(device: torch.device, together: Callable[[], object], rounds: int) -> dict[str, float]:
     """`kernel_latency`, seconds per kernel of the plain block, and `tensor_parallel_latency`, what the
     tensor-parallel block costs more per kernel; in alternating rounds, each the median. Each round
     runs its block for 0.1 s: one call (~2 ms) fits in a time slice of the scheduler, so timing calls

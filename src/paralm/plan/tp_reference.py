@@ -51,13 +51,13 @@ def reference_seconds(rounds: int) -> float:
         step()  # warm-up
         # Every rank runs the same number of calls (each call's collectives must match): enough for
         # 0.3 s on the slowest.
-        calls = torch.tensor([max(2, math.ceil(0.3 / seconds_per_call(step, 0.0)))])
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-        times = []
+        slowest = torch.tensor([max(2, math.ceil(0.3 / seconds_per_call(step, 0.0)))])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        calls, times = int(slowest), []
         for _ in range(rounds):
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(int(calls)):
+            for _ in range(calls):
                 step()
-            times.append((time.perf_counter() - start) / int(calls))
+            times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
