@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from paralm.compat import TorchDispatchMode
 from paralm.model import GPT
-from paralm.parallel import comm_stats
+from paralm.parallel import comm_stats, wire_volume
 from paralm.parallel.parallelize import ParallelPlan
 from paralm.train.precision import LossScaler
 from paralm.train.trainer import train
@@ -190,7 +190,7 @@ def _collectives_in_optimizer_steps(config) -> tuple[int, list[str]]:
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented  # DTensor's own handling; its collectives come back here
             operators[0] += 1
-            if func.namespace in comm_stats.NAMESPACES:
+            if func.namespace in wire_volume.NAMESPACES:
                 collectives.append(str(func))
             return func(*args, **(kwargs or {}))
 

@@ -9,7 +9,7 @@ no collective, no copy between devices (sizes are read from tensor metadata). Th
 counted, not the ones it runs inside (the mode is off while an op it intercepted runs), so a
 functional collective is counted once; an op on DTensors is handed back to DTensor (`NotImplemented`),
 whose redistributions then reach the mode as plain collectives. An op of those namespaces that it
-does not know fails loudly (a torch upgrade that adds one must add its convention here). Exception:
+does not know fails loudly (a torch upgrade that adds one must add its convention). Exception:
 PowerSGD issues its second all-reduce in a future's callback on the communication thread, where no
 mode is active; its hook counts PowerSGD's own tally instead. The mode declares
 `ignore_compile_internals`, so `torch.compile` still compiles under it; compiled collectives reach
@@ -28,16 +28,11 @@ per-parameter work would otherwise cost ~12% of the tiny model's step (`benchmar
 model's tensor-parallel step, `--tp 2`). Not counted then: DDP's one-time exchange of its rebuilt
 bucket order, in the second step's forward (152 bytes for the tiny model on 2 ranks).
 
-Conventions, per rank, for a group of P ranks and n bytes handed over by this rank:
-- all-reduce: a ring, 2(P-1)/P x n sent and as much received;
-- all-gather (n = this rank's input): (P-1) x n sent and received;
-- reduce-scatter (n = the full input) and all-to-all: (P-1)/P x n sent and received;
-- broadcast: a star from the root, which sends (P-1) x n; every other rank receives n;
-- reduce and gather: every non-root sends n, the root receives (P-1) x n; scatter the reverse;
-- send and receive: n at each end.
-A step's `comm_bytes` is the traffic of the whole job: the bytes every rank sent in the step.
-Traffic between steps (set-up broadcasts, checkpoint loads, validation, the metrics read-back and
-the stop-signal agreement) is counted apart, as `other_bytes` in `comm.json`.
+What each op counts (a ring all-reduce of n bytes: 2(P-1)/P x n sent per rank, ...) is
+`paralm.parallel.wire_volume`'s convention. A step's `comm_bytes` is the traffic of the whole job:
+the bytes every rank sent in the step. Traffic between steps (set-up broadcasts, checkpoint loads,
+validation, the metrics read-back and the stop-signal agreement) is counted apart, as `other_bytes`
+in `comm.json`.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,95 +49,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from paralm.compat import TorchDispatchMode, current_dispatch_mode, resolve_process_group
+from paralm.compat import TorchDispatchMode, current_dispatch_mode
+from paralm.parallel.wire_volume import RULES, tensor_bytes, wire_bytes
 
 SUMMARY_FILE = "comm.json"
-NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-IGNORED = {"barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd", "check_for_nan"}
-
-
-def _nbytes(value: Any) -> int:
-    """Bytes of a tensor or a (nested) list of tensors."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return sum(_nbytes(v) for v in value)
-
-
-def _ring(fraction: Callable[[int], float]) -> Callable[[int, int, bool], tuple[float, float]]:
-    def volume(n: int, size: int, root: bool) -> tuple[float, float]:
-        return fraction(size) * n, fraction(size) * n
-
-    return volume
-
-
-def _rooted(n: int, size: int, root: bool) -> tuple[float, float]:  # reduce, gather: all send to the root
-    return (0, (size - 1) * n) if root else (n, 0)
-
-
-def _from_root(n: int, size: int, root: bool) -> tuple[float, float]:  # broadcast, scatter
-    return ((size - 1) * n, 0) if root else (0, n)
-
-
-# op name -> (the argument whose size is n, how n becomes (sent, received) per rank, the root argument)
-RULES: dict[str, tuple[str, Callable[[int, int, bool], tuple[float, float]], str | None]] = {}
-for _names, _arg, _volume, _root in [
-    (("allreduce_", "allreduce_coalesced_"), "tensors", _ring(lambda p: 2 * (p - 1) / p), None),
-    (("all_reduce", "all_reduce_"), "input", _ring(lambda p: 2 * (p - 1) / p), None),
-    (("all_reduce_coalesced", "all_reduce_coalesced_"), "inputs", _ring(lambda p: 2 * (p - 1) / p), None),
-    (("allgather_",), "input_tensors", _ring(lambda p: p - 1), None),
-    (("_allgather_base_",), "input_tensor", _ring(lambda p: p - 1), None),
-    (("allgather_coalesced_",), "input_list", _ring(lambda p: p - 1), None),
-    (("allgather_into_tensor_coalesced_", "all_gather_into_tensor_coalesced"), "inputs", _ring(lambda p: p - 1), None),
-    (("all_gather_into_tensor", "all_gather_into_tensor_out"), "input", _ring(lambda p: p - 1), None),
-    (("reduce_scatter_",), "input_tensors", _ring(lambda p: (p - 1) / p), None),
-    (("_reduce_scatter_base_",), "input_tensor", _ring(lambda p: (p - 1) / p), None),
-    (
-        ("reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor_coalesced"),
-        "inputs",
-        _ring(lambda p: (p - 1) / p),
-        None,
-    ),
-    (("reduce_scatter_tensor", "reduce_scatter_tensor_out"), "input", _ring(lambda p: (p - 1) / p), None),
-    (("alltoall_",), "input_tensors", _ring(lambda p: (p - 1) / p), None),
-    (("alltoall_base_", "all_to_all_single"), "input", _ring(lambda p: (p - 1) / p), None),
-    (("broadcast_",), "tensors", _from_root, "root_rank"),
-    (("broadcast",), "input", _from_root, "src"),
-    (("reduce_",), "tensors", _rooted, "root_rank"),
-    (("gather_",), "input_tensors", _rooted, "root_rank"),
-    (("scatter_",), "output_tensors", _from_root, "root_rank"),
-    (("send",), "tensors", lambda n, size, root: (n, 0), None),
-    (("isend",), "tensor", lambda n, size, root: (n, 0), None),
-    (("recv_", "recv_any_source_"), "tensors", lambda n, size, root: (0, n), None),
-    (("irecv",), "tensor", lambda n, size, root: (0, n), None),
-]:
-    for _name in _names:
-        RULES[_name] = (_arg, _volume, _root)
-
-
-def _group_of(bound: dict[str, Any]) -> Any:
-    if "process_group" in bound:  # the dispatcher hands the group over boxed (a script object)
-        return dist.ProcessGroup.unbox(bound["process_group"])
-    return resolve_process_group(bound["group_name"])
-
-
-def wire_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[float, float] | None:
-    """(sent, received) by this rank for one dispatched op; None when it is not communication."""
-    if func.namespace not in NAMESPACES:  # higher-order operators have no schema: checked first
-        return None
-    name = func._schema.name.split("::")[-1]
-    if name in IGNORED:
-        return None
-    bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
-    if name == "batch_p2p_ops":
-        sizes = [_nbytes(t) for t in bound["tensors"]]
-        sent = sum(n for op, n in zip(bound["op_list"], sizes, strict=True) if op == "isend")
-        return sent, sum(sizes) - sent
-    if name not in RULES:
-        raise NotImplementedError(f"paralm.parallel.comm_stats: no byte convention for {func}")
-    arg, volume, root_arg = RULES[name]
-    group = _group_of(bound)
-    is_root = root_arg is not None and bound[root_arg] == group.rank()
-    return volume(_nbytes(bound[arg]), group.size(), is_root)
 
 
 class _Counter(TorchDispatchMode):
@@ -286,14 +196,14 @@ class CommStats:
         """Count an all-reduce of `tensor` that torch issued itself (FSDP2's HSDP all-reduce, which takes
         no custom collective) and that no counting mode saw (with one active, it was counted there)."""
         if _active is None:
-            self.count(*RULES["all_reduce"][1](_nbytes(tensor), group.size(), False))
+            self.count(*RULES["all_reduce"][1](tensor_bytes(tensor), group.size(), False))
 
     def count_p2p_issued_by_torch(self, ops: list[dist.P2POp]) -> None:
         """Count the point-to-point ops a pipeline schedule is about to issue (each sends or receives
         its tensor) where no counting mode will see them (with one active, it counts them there)."""
         if _active is None:
             for op in ops:
-                n = _nbytes(op.tensor)
+                n = tensor_bytes(op.tensor)
                 self.count(*((n, 0) if op.op is dist.isend else (0, n)))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: dist.ProcessGroup | None = None) -> None:
