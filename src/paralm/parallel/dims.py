@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paralm.config import ParallelConfig
-from paralm.rules import resolve_data_parallel
+from paralm.degrees import resolve_data_parallel
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 

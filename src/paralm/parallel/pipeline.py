@@ -33,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
+from paralm.degrees import num_stages, pipeline_microbatches
 from paralm.errors import UserError
 from paralm.model import GPT, cross_entropy_loss
 from paralm.parallel.comm_stats import CommStats
@@ -41,7 +42,6 @@ from paralm.parallel.split import stage_split
 from paralm.parallel.step import Batches, LossScale
 from paralm.parallel.tensor import local_value, loss_context
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
-from paralm.rules import num_stages, pipeline_microbatches
 from paralm.train.precision import autocast
 
 TIED_COPY = "lm_head.weight"  # on the last stage: a copy of the first stage's wte.weight

@@ -20,13 +20,14 @@ from paralm.config import Config
 from paralm.data.prepare import dataset_dir
 from paralm.data.sampler import BatchLayout, sample_windows
 from paralm.data.shards import TokenDataset
+from paralm.degrees import resolve_grad_accum
 from paralm.errors import Interrupted, UserError
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
 from paralm.model import GPT
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
-from paralm.rules import check_vocab_size, resolve_grad_accum
+from paralm.rules import check_vocab_size
 from paralm.train.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
