@@ -9,10 +9,9 @@ import tomllib
 from paralm.cli import main
 from paralm.plan.auto import calibration_path, choose_layout, describe
 from paralm.plan.cluster import PRESETS, GiB
-from paralm.plan.memory import Memory
+from paralm.plan.layout import Workload
 from paralm.plan.request import load_request
-from paralm.plan.search import Plan
-from paralm.plan.timing import StepTime
+from paralm.plan.search import Plan, evaluate
 from tests.plan.helpers import layout
 
 TINY = ["--config", "configs/tiny.toml", "--model.n_layer=2"]
@@ -70,10 +69,12 @@ def test_auto_chooses_a_layout_and_trains(nproc: int, fixed: list[str], tmp_path
 
 def test_candidates_differing_in_chunks_per_rank_read_differently() -> None:
     """Interleaved schedules with 2 and 4 chunks per rank are different layouts: their lines say so."""
+    config, _ = load_request(None, ["--model.n_layer=8"])  # 8 stages at v4
+    work, cluster = Workload.from_config(config, 8, "paper"), PRESETS["h100"].with_devices(4)
 
     def plan(chunks: int) -> Plan:
         lay = layout(dp_shard=2, pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=2, pp_virtual_stages=chunks)
-        return Plan(lay, Memory(*[0.0] * 8), StepTime(*[0.0] * 8), 0.0, 0.0)
+        return evaluate(lay, work, cluster)
 
     two, four = describe(plan(2)), describe(plan(4))
     assert two != four and " v2 " in two and " v4 " in four
