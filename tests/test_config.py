@@ -66,7 +66,7 @@ def test_a_broken_file_is_named(tmp_path):
 
 def test_every_field_but_the_models_has_help():
     for name, section in vars(Config()).items():
-        if name != "model":  # the model's fields are documented in paralm.model.GPTConfig
+        if name != "model":  # the model's fields are documented in paralm.models.config.ModelConfig
             for f in dataclasses.fields(section):
                 assert f.metadata.get("help"), f"{name}.{f.name} has no help"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from paralm.dtypes import DTYPES
 from paralm.errors import UserError
-from paralm.model import GPTConfig as ModelConfig
+from paralm.models.config import ModelConfig
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 from paralm.rules import validate
 

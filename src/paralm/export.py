@@ -1,9 +1,9 @@
-"""`paralm export` and `paralm import`: a run's model as a Hugging Face GPT-2 folder, and back.
+"""`paralm export` and `paralm import`: a run's model as a Hugging Face folder, and back.
 
 Export reads the run's checkpoint through DCP, which gathers any layout (DDP, ZeRO-3, TP, PP) into
 one process's unsharded model, and writes `config.json`, `model.safetensors` and a `tokenizer.json`
 that `transformers.AutoModelForCausalLM` / `AutoTokenizer` load. Import turns such a folder (or any
-GPT-2 that computes what paralm's model computes) into a run directory with a step-0 checkpoint, so
+model its family's mapping computes exactly, `ModelSpec.hf`) into a run directory with a step-0 checkpoint, so
 `paralm train` fine-tunes it. Both write into a temporary folder and rename it when complete.
 """
 
@@ -24,8 +24,8 @@ from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import BPE_FILE, END_OF_TEXT, BPETokenizer
 from paralm.errors import UserError
-from paralm.hf import from_hf_gpt2_state_dict, hf_gpt2_config_kwargs, model_config_from_hf, to_hf_gpt2_state_dict
-from paralm.model import GPT
+from paralm.models.config import ModelConfig
+from paralm.models.registry import hf_spec, model_shape, model_spec
 from paralm.parallel.runtime import init_runtime
 from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
@@ -90,24 +90,25 @@ def _is_byte_tokenizer(path: Path) -> bool:
 
 
 def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
-    """Write the run's model as a transformers GPT-2 folder; returns a one-line summary."""
+    """Write the run's model as a transformers folder of its family; returns a one-line summary."""
     from safetensors.torch import save_file
 
     loaded = load_trained_model(run_dir, checkpoint)
-    kwargs = hf_gpt2_config_kwargs(loaded.model)
+    model_config = loaded.config.model
+    hf = model_spec(model_config).hf
+    kwargs = hf.config_to_hf(model_config)
     meta = read_meta(loaded.data_dir)
     tokenizer = BPETokenizer.load(loaded.data_dir) if meta["tokenizer"] == "bpe" else BPETokenizer(byte_tokenizer())
     eot = tokenizer.eot_id
     hf_config = {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
+        "architectures": [hf.architecture],
+        "model_type": hf.model_type,
         **kwargs,
         "bos_token_id": eot,
         "eos_token_id": eot,
     }
-    weights = to_hf_gpt2_state_dict(loaded.model.cpu())
-    del weights["lm_head.weight"]  # tied: transformers restores it from the embedding
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": kwargs["n_positions"]}
+    weights = hf.to_hf(loaded.model.cpu().state_dict(), model_config)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_config.block_size}
     if eot is not None:
         tokenizer_config |= {"eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT}
     out_dir = Path(out)
@@ -117,9 +118,13 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
         tokenizer.save(tmp)
         (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1))
     return (
-        f"{out_dir}: GPT-2 ({loaded.model.num_params() / 1e6:.2f}M parameters, {meta['tokenizer']} tokenizer) "
+        f"{out_dir}: {hf.architecture} ({_millions(model_config)} parameters, {meta['tokenizer']} tokenizer) "
         f"from {loaded.checkpoint}; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out_dir)!r})"
     )
+
+
+def _millions(model: ModelConfig) -> str:
+    return f"{model_shape(model).flops_params / 1e6:.2f}M"
 
 
 def _read_hf_folder(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -157,22 +162,24 @@ def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> 
 
 
 def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[str]) -> str:
-    """Create a run directory whose step-0 checkpoint holds the HF GPT-2's weights; returns a summary."""
+    """Create a run directory whose step-0 checkpoint holds the HF model's weights; returns a summary."""
     hf_path, out_dir = Path(hf_dir), Path(out)
     hf_config, hf_weights = _read_hf_folder(hf_path)
-    model_config = model_config_from_hf(hf_config, str(hf_path / HF_CONFIG_FILE))
-    model_args = [f"--model.{k}={v}" for k, v in vars(model_config).items()]
+    source = str(hf_path / HF_CONFIG_FILE)
+    spec = hf_spec(hf_config.get("model_type"), source)
+    model_fields = spec.hf.config_from_hf(hf_config, source)
+    model_args = [f"--model.{k}={v}" for k, v in model_fields.items()]
     with _atomic_folder(out_dir) as tmp:
         base = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *overrides])
         data_args, data_note = _data_overrides(hf_path, tmp, out_dir, base.data.val_fraction)
         config = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *data_args, *overrides])
-        changed = [k for k, v in vars(config.model).items() if k != "dropout" and v != getattr(model_config, k)]
+        changed = [k for k, v in model_fields.items() if k != "dropout" and v != getattr(config.model, k)]
         if changed:
             raise UserError(f"model.{changed[0]} is fixed by the imported model's {HF_CONFIG_FILE}: do not override it")
-        model = GPT(config.model)
-        state = from_hf_gpt2_state_dict(hf_weights, config.model, str(hf_path / WEIGHTS_FILE))
+        model = spec.build(config.model)
+        state = spec.hf.from_hf(hf_weights, config.model, str(hf_path / WEIGHTS_FILE))
         try:
-            model.load_state_dict(state, strict=False)  # lm_head.weight is the tied embedding
+            model.load_state_dict(state)
         except RuntimeError as e:
             raise UserError(f"{hf_path / WEIGHTS_FILE}: {str(e).splitlines()[-1].strip()}") from None
         optimizer = _fresh_optimizer_state(model, config)
@@ -181,12 +188,12 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
         save_checkpoint(tmp, 0, TrainingState(model, optimizer, SyncStrategy()), state, config, runtime)
         (tmp / CONFIG_FILE).write_text(config.to_toml())
     return (
-        f"{out_dir}: step-0 checkpoint of {hf_path} ({model.num_params() / 1e6:.2f}M parameters; {data_note}); "
+        f"{out_dir}: step-0 checkpoint of {hf_path} ({_millions(config.model)} parameters; {data_note}); "
         f"fine-tune with: paralm train --config {out_dir / CONFIG_FILE}"
     )
 
 
-def _fresh_optimizer_state(model: GPT, config: Config) -> torch.optim.Optimizer:
+def _fresh_optimizer_state(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
     """The configured optimizer with its state tensors created (DCP saves and loads them by name) and its
     step counters at 0, so the first fine-tuning step is the optimizer's first (AdamW's bias correction)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

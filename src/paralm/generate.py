@@ -7,6 +7,7 @@ import torch
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import load_tokenizer
 from paralm.errors import UserError
+from paralm.models.sampling import generate
 from paralm.runs import load_trained_model
 
 
@@ -29,5 +30,6 @@ def generate_from_run(
         raise UserError("--prompt is empty: give at least one character")
     generator = torch.Generator(device=loaded.device).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=loaded.device)
-    out = loaded.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None, generator=generator)
+    block_size = loaded.config.model.block_size
+    out = generate(loaded.model, idx, max_new_tokens, block_size, temperature, top_k or None, generator)
     return tokenizer.decode(out[0].tolist())

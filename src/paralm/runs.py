@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from paralm.config import CONFIG_FILE, Config, load_config
 from paralm.data.prepare import dataset_dir
 from paralm.errors import UserError
-from paralm.model import GPT
+from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 
@@ -18,7 +19,7 @@ from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_
 @dataclass
 class TrainedModel:
     config: Config
-    model: GPT
+    model: nn.Module
     checkpoint: Path
     data_dir: Path
     device: torch.device
@@ -40,7 +41,7 @@ def load_trained_model(
         raise UserError(f"{run_dir} has no complete checkpoint yet: train it first (paralm train --run.dir={run_dir})")
     config = load_config(path / CONFIG_FILE, overrides)
     device = select_device(0)
-    model = GPT(config.model).to(device)
+    model = model_spec(config.model).build(config.model).to(device)
     load_checkpoint(path, model)
     model.eval()
     return TrainedModel(config, model, path, dataset_dir(config.data), device)

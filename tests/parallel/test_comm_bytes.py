@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from paralm.compat import TorchDispatchMode
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel import comm_stats, wire_volume
 from paralm.parallel.parallelize import ParallelPlan
 from paralm.train.precision import LossScaler

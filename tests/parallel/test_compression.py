@@ -27,7 +27,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import CommConfig
-from paralm.model import GPT, cross_entropy_loss
+from paralm.models.gpt2 import GPT
+from paralm.models.loss import cross_entropy_loss
 from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.runtime import init_runtime, shutdown

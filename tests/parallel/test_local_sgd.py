@@ -13,7 +13,7 @@
 import pytest
 import torch
 
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
 from paralm.train.trainer import Trainer, train

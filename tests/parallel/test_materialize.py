@@ -1,6 +1,6 @@
 """A model built on the meta device and materialised shard by shard equals eager initialisation.
 
-Eager initialisation: the GPT built on the CPU, then `torch.manual_seed(seed); model.init_weights()`.
+Eager initialisation: the GPT built on the CPU, then `model.init_weights(seed)`.
 The sharded ranks draw the very same random numbers (each replays every draw on a full-size scratch
 tensor and keeps its slice), so the gathered weights must be bit-equal, not merely close; and each
 rank must hold only its shards.
@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.runtime import init_runtime, shutdown
 from tests.helpers import tiny_config
@@ -34,8 +34,7 @@ def materialised(config: Config) -> tuple[dict[str, torch.Tensor], int]:
 
 def eager(config: Config) -> dict[str, torch.Tensor]:
     model = GPT(config.model)
-    torch.manual_seed(config.train.seed)
-    model.init_weights()
+    model.init_weights(config.train.seed)
     return model.state_dict()
 
 

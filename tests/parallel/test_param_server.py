@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel.comm_stats import SUMMARY_FILE
 from paralm.parallel.ps_protocol import shard_bounds
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint

@@ -10,7 +10,7 @@ and gradient norms (as for tensor parallelism, see test_tensor_parallel).
 import pytest
 
 from paralm.config import PIPELINE_SCHEDULES
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.pipeline_schedules import fewest_stages_per_rank
 from paralm.train.trainer import Trainer, train

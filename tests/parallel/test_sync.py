@@ -3,7 +3,7 @@ and optimizer, without the checkpoint code knowing the strategy."""
 
 import torch
 
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime
 from paralm.parallel.sync import SyncStrategy
 from paralm.train.checkpoint import load_checkpoint, save_checkpoint, trainer_state

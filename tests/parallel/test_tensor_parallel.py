@@ -81,10 +81,11 @@ def test_tensor_and_sequence_parallel_match_one_process_with_sharded_logits_and_
 
 
 def test_tensor_parallel_plan_shards_norms_only_with_sequence_parallel():
-    from paralm.model import GPT, GPTConfig
-    from paralm.parallel.tensor import tensor_parallel_plan
+    from paralm.models.config import ModelConfig
+    from paralm.models.gpt2 import GPT
+    from paralm.models.gpt2_spec import tensor_parallel_plan
 
-    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32))
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32))
     plain, sequence = tensor_parallel_plan(model, False), tensor_parallel_plan(model, True)
     assert "blocks.0.ln_1" not in plain and "wpe" not in plain
     assert {"blocks.0.ln_1", "blocks.0.ln_2", "ln_f", "wpe"} <= set(sequence)

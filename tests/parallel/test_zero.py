@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from paralm.config import Config
-from paralm.model import GPT, cross_entropy_loss
+from paralm.models.gpt2 import GPT
+from paralm.models.loss import cross_entropy_loss
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
@@ -76,7 +77,7 @@ def expected_model_state(one_process: dict, config: Config, shards: int) -> dict
     stage = config.parallel.zero
     params, grads, optim = (one_process[k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
     model = GPT(config.model)
-    root_unit = model.num_params(exclude_position_embedding=False) - sum(p.numel() for p in model.blocks.parameters())
+    root_unit = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.blocks.parameters())
     gathered = {1: 0, 2: params, 3: 4 * root_unit}  # fp32 bytes FSDP keeps gathered from forward to backward
     return {
         "param_bytes": (params if stage == 1 else params / shards) + gathered[stage],

@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from paralm.model import Block
 from torch.distributed.tensor import DTensor, Shard
 
 from paralm.compat import current_dispatch_mode
-from paralm.model import Block
 from paralm.plan import dispatch
 
 

@@ -4,8 +4,8 @@ import pytest
 
 from paralm.cli import main
 from paralm.config import load_config
+from paralm.models.registry import model_shape
 from paralm.plan.cluster import load_cluster
-from paralm.plan.shape import ModelShape
 from tests.plan.helpers import MODEL_7B
 
 JSON_FIELDS = {
@@ -36,7 +36,7 @@ def test_plan_json_carries_the_layout_memory_and_time(capsys) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and set(rows[0]) >= JSON_FIELDS
     assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"] >= rows[2]["tokens_per_s"]
-    psi = ModelShape.from_config(load_config(None, MODEL_7B).model).params
+    psi = model_shape(load_config(None, MODEL_7B).model).params
     # ZeRO-2 as paralm stores it (FSDP2, reshard_after_forward=False): bf16 parameters gathered through
     # backward and, sharded, fp32 master, gradients and Adam's two slots; the paper's recipe: 2 + 14/N.
     for recipe, per_param in (("fp32-master", 2 + 16 / 64), ("paper", 2 + 14 / 64)):

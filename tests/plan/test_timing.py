@@ -2,14 +2,15 @@ import dataclasses
 
 import pytest
 
+from paralm.models.config import ModelConfig
+from paralm.models.registry import model_shape
 from paralm.plan import kernels
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
-from paralm.plan.shape import ModelShape
 from paralm.plan.timing import powersgd_elements, step_time
 from tests.plan.helpers import layout
 
-SHAPE = ModelShape(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192)
+SHAPE = model_shape(ModelConfig(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
 H100 = PRESETS["h100"].with_devices(64)
 FREE_LINKS = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0, intra_bandwidth=1e30, inter_bandwidth=1e30)
 NO_LATENCY = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0)
@@ -192,7 +193,7 @@ def test_compression_shrinks_the_gradient_exchange() -> None:
 
 
 def test_powersgd_counts_only_the_matrices_it_shrinks() -> None:
-    tiny = ModelShape(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=16)
+    tiny = model_shape(ModelConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=16))
     assert powersgd_elements(tiny, rank=4) == tiny.params  # 8 x 8 at rank 4 would not halve
     assert powersgd_elements(SHAPE, rank=1) < SHAPE.params / 100
 

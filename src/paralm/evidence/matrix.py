@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paralm.model import GPTConfig
+from paralm.models.config import ModelConfig
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES, fewest_stages_per_rank
 
 
@@ -23,7 +23,7 @@ GLOBAL_BATCH = 24  # divisible by every data-parallel degree of up to 4 ranks, a
 STEPS = 4
 EXACT_TOLERANCE = 1e-5  # fp32 sums in another order: measured ~1e-7 on losses and weights (tests/parallel)
 # 4 layers: two chunks per rank on two pipeline stages (looped and V schedules)
-MODEL = GPTConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True)
+MODEL = ModelConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True)
 BASE_ARGS = [
     *(f"--model.{name}={_toml(value)}" for name, value in vars(MODEL).items()),
     "--data.tokenizer=byte",

@@ -26,7 +26,7 @@ from paralm.evidence.matrix import (
     reference_layout,
 )
 from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
-from paralm.model import GPT
+from paralm.models.registry import model_shape
 
 
 @dataclass
@@ -140,7 +140,7 @@ def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     ratio, bucket_mb = 0.01, 25.0
     settings = {"comm.compression": "topk", "comm.topk_ratio": ratio, "comm.bucket_mb": bucket_mb}
     run = matrix.train(Layout("topk", n, settings))
-    numel = GPT(MODEL).num_params(exclude_position_embedding=False)
+    numel = model_shape(MODEL).params
     buckets = math.ceil(4 * numel / (bucket_mb * 2**20)) + 1  # DDP's first bucket is a small one
     per_rank_values = math.ceil(ratio * numel) + buckets  # sum over buckets of ceil(ratio x bucket size)
     bound = n * (n - 1) * 8 * per_rank_values  # each rank's values + int32 indices reach the n - 1 others

@@ -1,12 +1,13 @@
 """Materialise a model built on the meta device: each rank allocates and initialises only its shards.
 
-The trainer builds the GPT under `torch.device("meta")` (no memory), the parallel wrappers shard
-it, and `materialize` allocates this rank's part of every tensor and runs the model's own
-`init_weights()` on it. Random draws must not depend on the layout, so every in-place op that
-`init_weights` applies to a sharded parameter (a DTensor) is replayed on a full-size scratch tensor
-with the same global RNG, and the rank keeps its slice: values equal those of
-`torch.manual_seed(seed); model.init_weights()` on one process, whatever the sharding, while only
-one full parameter at a time ever exists on a rank.
+The trainer builds the model under `torch.device("meta")` (no memory), the parallel wrappers shard
+it (pipeline parallelism first cuts it into stages), and `materialize` allocates this rank's part of
+every tensor and runs the model's own `init_weights(seed)` on it. Random draws must not depend on the
+layout: each parameter draws from its own name's seed (so a stage draws as the whole model), and every
+in-place op `init_weights` applies to a sharded parameter (a DTensor) is replayed on a full-size
+scratch tensor with the same generator, and the rank keeps its slice: values equal those of
+`model.init_weights(seed)` on one process, whatever the layout, while only one full parameter at a
+time ever exists on a rank.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ def has_meta_tensors(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def initialize(model: nn.Module, seed: int, device: torch.device) -> None:
-    """The one definition of initial weights: `init_weights()` drawing on `device` from the seeded generator."""
-    torch.manual_seed(seed)
+    """The one definition of initial weights: `init_weights(seed)` drawing on `device`."""
     with _ShardedInit(device):
-        model.init_weights()
+        model.init_weights(seed)
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, offload: bool = False) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import Config
+from paralm.models.registry import model_spec
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
@@ -41,7 +42,7 @@ from paralm.rules import check_compile
 class ParallelPlan:
     """Everything the training loop needs from the parallel strategies, composed once."""
 
-    model: nn.Module  # the plain GPT whose parameters train (pruned to this rank's stages, possibly sharded)
+    model: nn.Module  # the plain model whose parameters train (pruned to this rank's stages, possibly sharded)
     module: nn.Module  # what a step runs: the model wrapped by DDP, FSDP, or a pipeline of its stages
     runner: StepRunner
     sync: SyncStrategy
@@ -85,7 +86,7 @@ class ParallelPlan:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if isinstance(self.sync, ZeroOne):  # the gradients live on its shards by now
             return self.sync.clip_grad_norm_(max_norm)
-        return clip_grad_norm_(self.model, max_norm, self.runtime)
+        return clip_grad_norm_(self.model, max_norm, self.runtime, model_spec(self.config.model).tied.keys())
 
 
 def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelPlan:
@@ -93,9 +94,9 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
 
     With pp > 1, `model` is pruned to this rank's stages, run by a `Pipeline`.
     """
-    if runtime.dims.pp > 1:
-        _materialize(model, runtime, config)  # stages are cut from the initialised model and copy its tied weight
-        module = runner = build_pipeline(model, runtime, config, lambda part: parallelize_stage(part, runtime, config))
+    if runtime.dims.pp > 1:  # stages are cut on the meta device, each materialised by `parallelize_stage`
+        stage = lambda part: parallelize_stage(part, runtime, config)  # noqa: E731
+        module = runner = build_pipeline(model, model_spec(config.model), runtime, config, stage)
     else:
         module = parallelize_stage(model, runtime, config)
         runner = PlainStep(module, runtime.device, config.precision.dtype, runtime.dims.tp)
@@ -134,7 +135,7 @@ def shards_gradients(config: Config, runtime: Runtime) -> bool:
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     if runtime.dims.tp > 1:
-        apply_tensor_parallel(model, runtime.mesh["tp"], config.parallel.sequence_parallel)
+        apply_tensor_parallel(model, model_spec(config.model), runtime.mesh["tp"], config.parallel.sequence_parallel)
     apply_activation_checkpointing(model, config.train)
     if config.train.compile:
         check_compile(config, runtime.device.type)

@@ -1,14 +1,16 @@
-"""Pipeline parallelism: stages cut from the plain GPT, run by a `torch.distributed.pipelining` schedule.
+"""Pipeline parallelism: stages cut from the plain model, run by a `torch.distributed.pipelining` schedule.
 
-A stage is the GPT without what it does not hold: its blocks keep their `ModuleDict` keys, the first
-stage also has the embeddings, the last the final norm and head. The rank's model is pruned in place
-to the union of its stages, and each stage (`_Stage`) shares those modules, so parameter names stay
-the full model's and DCP checkpoints move between layouts. Tensor parallelism, activation
-checkpointing and data parallelism are applied to each stage afterwards (`parallelize_stage`).
+A stage is a copy of the model without what it does not hold (the family's `PipelineParts`): its
+blocks keep their `ModuleDict` keys, the first stage also has the embeddings, the last the final norm
+and head. Stages are cut on the meta device, so a rank allocates only its own stages' weights when
+they are materialised (`parallelize_stage`, after tensor and data parallelism shard them). The
+rank's model keeps the union of its stages, sharing their modules, so parameter names stay the full
+model's and DCP checkpoints move between layouts.
 
-Tied embedding: the first stage holds `wte.weight` and the last a copy as `lm_head.weight`, equal at
-the start. After the backward their gradients are summed between the two ranks (on one rank for the
-V schedules, which put the first and last stage together), so both see the tied parameter's gradient,
+Tied weights (`ModelSpec.tied`, GPT-2's head and embedding): the first stage holds the embedding and
+the last its own copy as the head, initialised alike (each parameter draws from its name's seed).
+After the backward their gradients are summed between the two ranks (on one rank for the V
+schedules, which put the first and last stage together), so both see the tied parameter's gradient,
 take the same optimizer steps and stay bit-equal: training matches one process with one tied weight.
 The gradient norm counts the copy once.
 
@@ -22,8 +24,10 @@ batch size works.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,7 +39,8 @@ from torch.distributed.tensor import DTensor
 from paralm.config import Config
 from paralm.degrees import num_stages, pipeline_microbatches
 from paralm.errors import UserError
-from paralm.model import GPT, cross_entropy_loss
+from paralm.models.loss import cross_entropy_loss
+from paralm.models.spec import ModelSpec, PipelineParts
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
@@ -44,31 +49,7 @@ from paralm.parallel.tensor import local_value, loss_context
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 from paralm.train.precision import autocast
 
-TIED_COPY = "lm_head.weight"  # on the last stage: a copy of the first stage's wte.weight
-
-StageParallelizer = Callable[[GPT], nn.Module]
-
-
-class _Stage(GPT):
-    """Consecutive parts of a GPT, sharing their modules with the rank's pruned model.
-
-    Built without `GPT.__init__` (which would allocate the whole model); `forward` is GPT's, under
-    autocast, since the schedule calls the stage itself.
-    """
-
-    def __init__(self, model: GPT, layers: range, first: bool, last: bool, dtype: str) -> None:
-        nn.Module.__init__(self)
-        self.config, self.dtype = model.config, dtype
-        self.wte = model.wte if first else None
-        self.wpe = model.wpe if first else None
-        self.drop = model.drop
-        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
-        self.ln_f = model.ln_f if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with autocast(x.device, self.dtype):
-            return super().forward(x)
+StageParallelizer = Callable[[nn.Module], nn.Module]
 
 
 class Pipeline(nn.Module):
@@ -77,7 +58,8 @@ class Pipeline(nn.Module):
 
     def __init__(
         self,
-        model: GPT,
+        model: nn.Module,
+        spec: ModelSpec,
         stage_modules: dict[int, nn.Module],
         stage_to_rank: dict[int, int],
         runtime: Runtime,
@@ -96,8 +78,9 @@ class Pipeline(nn.Module):
         self._loss_divisor = self.microbatches
         last = self.num_stages - 1
         self.has_first, self.has_last = 0 in stage_modules, last in stage_modules
-        self.tied_modules = ([self.wte] if self.has_first else []) + ([self.lm_head] if self.has_last else [])
-        self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last])
+        held = dict(self.named_parameters(remove_duplicate=False))
+        self.tied = [[held[n] for n in (source, name) if n in held] for name, source in spec.tied.items()]
+        self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last]) if spec.tied else None
         self.stages = [
             CountedStage(module, s, self.num_stages, runtime.device, group=self.pp_group, stats=runtime.comm)
             for s, module in stage_modules.items()
@@ -141,12 +124,13 @@ class Pipeline(nn.Module):
         return self.initialized and self.tp == 1
 
     def _sum_tied_grads(self) -> None:
-        grads = [_grad_like_param(m.weight) for m in self.tied_modules]
-        if len(grads) == 2:  # both ends on this rank
-            grads[0].add_(grads[1])
-            grads[1].copy_(grads[0])
-        elif grads:
-            self.comm.all_reduce(grads[0], group=self.tied_group)
+        for params in self.tied:
+            grads = [_grad_like_param(p) for p in params]
+            if len(grads) == 2:  # both ends on this rank
+                grads[0].add_(grads[1])
+                grads[1].copy_(grads[0])
+            elif grads:
+                self.comm.all_reduce(grads[0], group=self.tied_group)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -233,33 +217,71 @@ def stage_to_rank(pp: int, stages: int, v_shape: bool) -> dict[int, int]:
     return {s: s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(stages)}
 
 
-def build_pipeline(model: GPT, runtime: Runtime, config: Config, parallelize_stage: StageParallelizer) -> Pipeline:
-    """Prune `model` to this rank's stages (the head gets its own copy of the tied weight), log the
-    split, parallelize each stage and hand them to the schedule."""
+def build_pipeline(
+    model: nn.Module, spec: ModelSpec, runtime: Runtime, config: Config, parallelize_stage: StageParallelizer
+) -> Pipeline:
+    """Cut this rank's stages from `model` (on the meta device), log the split, keep in `model` only what
+    the stages hold, parallelize (and so materialise) each stage and hand them to the schedule."""
     p = config.parallel
     total = num_stages(config)
     ranks = stage_to_rank(p.pp, total, v_shape=PIPELINE_SCHEDULES[p.pp_schedule].stages_per_rank == "v")
-    split = stage_split(config.model, total, p.pp_split)
+    split = stage_split(spec.shape(config.model), total, p.pp_split)
     if runtime.is_main:
         print(split.describe(ranks), file=sys.stderr, flush=True)
     pp_rank = runtime.mesh["pp"].get_local_rank()
-    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
     stages = {
-        s: _Stage(model, split.layer_range(s), s == 0, s == total - 1, config.precision.dtype)
+        s: _cut_stage(model, spec.pipeline, split.layer_range(s), s == 0, s == total - 1)
         for s in range(total)
         if ranks[s] == pp_rank
     }
-    _prune(model, list(stages.values()))
-    stage_modules = {s: parallelize_stage(stage) for s, stage in stages.items()}
-    return Pipeline(model, stage_modules, ranks, runtime, config)
+    _keep_stages(model, spec.pipeline, stages.values())
+    stage_modules = {s: _autocast_forward(parallelize_stage(stage), runtime.device, config.precision.dtype)
+                     for s, stage in stages.items()}  # fmt: skip
+    return Pipeline(model, spec, stage_modules, ranks, runtime, config)
 
 
-def _prune(model: GPT, stages: list[_Stage]) -> None:
-    """Delete from `model` what none of `stages` holds."""
-    held = {key for stage in stages for key in stage.blocks}
-    for key in [k for k in model.blocks if k not in held]:
-        del model.blocks[key]
-    if all(stage.wte is None for stage in stages):
-        model.wte = model.wpe = None
-    if all(stage.lm_head is None for stage in stages):
-        model.ln_f = model.lm_head = None
+def _cut_stage(model: nn.Module, parts: PipelineParts, layers: range, first: bool, last: bool) -> nn.Module:
+    """A copy of `model` holding only `layers` and, on the first or last stage, the parts only it holds.
+
+    A deep copy, so a stage holding both ends of a tied weight's pair is never the same parameter as
+    another stage's end: each end trains its own copy and `Pipeline` sums their gradients."""
+    stage = copy.deepcopy(model)
+    blocks = stage.get_submodule(parts.blocks)
+    for key in [k for k in blocks if int(k) not in layers]:
+        del blocks[key]
+    for name in (() if first else parts.first) + (() if last else parts.last):
+        setattr(stage, name, None)
+    return stage
+
+
+def _keep_stages(model: nn.Module, parts: PipelineParts, stages: Iterable[nn.Module]) -> None:
+    """Make `model` the union of `stages`, sharing their modules: the optimizer, checkpoints and
+    gradient clipping see the rank's parameters under the full model's names."""
+    stages = list(stages)
+    blocks = model.get_submodule(parts.blocks)
+    held = {key: block for stage in stages for key, block in stage.get_submodule(parts.blocks).items()}
+    for key in list(blocks):
+        if key in held:
+            blocks[key] = held[key]
+        else:
+            del blocks[key]
+    for name in parts.first + parts.last:
+        holders = [getattr(stage, name) for stage in stages if getattr(stage, name) is not None]
+        setattr(model, name, holders[0] if holders else None)
+
+
+def _autocast_forward(module: nn.Module, device: torch.device, dtype: str) -> nn.Module:
+    """Run `module`'s forward in the compute dtype: the schedule calls each stage itself, outside the
+    step's autocast. Hooks, not a wrapper, so the schedule still sees the stage's FSDP module."""
+    entered: list[contextlib.AbstractContextManager] = []
+
+    def enter(*_: Any) -> None:
+        entered.append(autocast(device, dtype))
+        entered[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+    return module

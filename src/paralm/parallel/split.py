@@ -1,12 +1,13 @@
 """Which layers each pipeline stage holds: balanced by estimated cost, or as `parallel.pp_split` says.
 
 A pipeline runs at the pace of its slowest stage, so layers are split to make the stages' estimated
-costs as equal as possible, not their layer counts. The estimate is training FLOPs per token, the
-convention of `GPT.flops_per_token` (forward + backward = 3 x forward, 2 FLOPs per multiply-add):
-- a block: 6 x 12·h² (q, k, v, output projection and the 4h MLP) + 12·s·h (QKᵀ and AV over s positions);
-- the LM head: 6·h·V, several blocks' worth when the vocabulary is large next to the width;
-- the embeddings: no multiply, but each token reads a row of the token and position tables and the
-  backward adds into them: counted as 2 passes over h for each table, 4·h.
+costs as equal as possible, not their layer counts. The estimate is training FLOPs per token from the
+family's closed-form shape, in the convention of `ModelShape.flops_per_token` (forward + backward =
+3 x forward, 2 FLOPs per multiply-add):
+- a block: 6 x its weight matrices + 12·s·h (QKᵀ and AV over s positions);
+- the LM head: 6 x its matrix, several blocks' worth when the vocabulary is large next to the width;
+- the embeddings: no multiply, but each token reads a row of each table (token, and learned
+  positions where the family has them) and the backward adds into it: 2 passes over h per table.
 The first stage carries the embeddings and the last the head, on top of their blocks.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paralm.model import GPTConfig
+from paralm.models.shape import ModelShape
 from paralm.rules import check_split
 
 
@@ -27,9 +28,13 @@ class PartCosts:
     head: float
 
 
-def part_costs(model: GPTConfig) -> PartCosts:
-    h, s, v = model.d_model, model.block_size, model.vocab_size
-    return PartCosts(embedding=4.0 * h, block=6.0 * 12 * h * h + 12.0 * s * h, head=6.0 * h * v)
+def part_costs(shape: ModelShape) -> PartCosts:
+    h, tables = shape.d_model, 2 if shape.position_params else 1
+    return PartCosts(
+        embedding=2.0 * h * tables,
+        block=6.0 * shape.layer_matrix_params + 12.0 * shape.block_size * h,
+        head=6.0 * shape.head_matrix_params,
+    )
 
 
 @dataclass(frozen=True)
@@ -115,11 +120,11 @@ def _least_squares_split(n_layer: int, stages: int, costs: PartCosts, cap: float
     return list(best[n_layer][1]) if n_layer in best else None
 
 
-def stage_split(model: GPTConfig, stages: int, override: list[int]) -> StageSplit:
+def stage_split(shape: ModelShape, stages: int, override: list[int]) -> StageSplit:
     """The split to run: `override` (parallel.pp_split) when given, else the balanced one."""
-    costs = part_costs(model)
+    costs = part_costs(shape)
     if override:
-        check_split(override, model.n_layer, stages)
+        check_split(override, shape.n_layer, stages)
         return StageSplit(tuple(override), stage_costs(override, costs), balanced=False)
-    layers = balanced_split(model.n_layer, stages, costs)
+    layers = balanced_split(shape.n_layer, stages, costs)
     return StageSplit(tuple(layers), stage_costs(layers, costs), balanced=True)

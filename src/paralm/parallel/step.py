@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from paralm.model import cross_entropy_loss
+from paralm.models.loss import cross_entropy_loss
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.tensor import local_value, loss_context
 from paralm.train.precision import autocast

@@ -1,22 +1,10 @@
 """Tensor and sequence parallelism (Megatron-LM; Korthikanti et al. 2022) through DTensor's `parallelize_module`.
 
-Per block: q, k and v column-wise (each rank holds n_head / tp whole heads; attention reads its head
-count from q's width), the output projection row-wise; the MLP's up projection column-wise, its down
-projection row-wise. So a layer's forward costs two all-reduces of the activations, and its backward
-two more (in the column-wise inputs).
-
-Vocabulary: the embedding is row-wise over the vocabulary (each rank looks up the ids it holds, the
-others contribute zeros, one all-reduce), the LM head column-wise over the vocabulary with its output
-left sharded, and the loss runs on the sharded logits under `loss_parallel` (a max, a sum of
-exponentials and the target logit are reduced; the full-vocabulary logits never exist). Both shard the
-same `(vocab, d_model)` weight along dim 0, so the tied weight stays one parameter.
-
-Sequence parallel: LayerNorms, dropout and the residual stream are sharded along the sequence; each
-all-reduce becomes a reduce-scatter (after the row-wise projections) plus an all-gather (before the
-column-wise ones), the same bytes with activations 1/tp the size in between. The learned position
-embedding stays replicated (it is tiny) and each rank adds the slice of positions its sequence shard
-holds, as Megatron does. The LayerNorms' replicated weights then see only their rank's part of the
-sequence, so their gradients are partial sums: `reduce_partial_gradients` sums them once per step.
+What is sharded how is the model family's plan (`ModelSpec.tensor_parallel_plan`); here is what every
+family shares. The loss runs on vocabulary-sharded logits under `loss_parallel` (a max, a sum of
+exponentials and the target logit are reduced; the full-vocabulary logits never exist). Under
+sequence parallelism the norms' replicated weights see only their rank's part of the sequence, so
+their gradients are partial sums: `reduce_partial_gradients` sums them once per step.
 """
 
 from __future__ import annotations
@@ -28,61 +16,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from paralm.model import GPT
-
-
-def tensor_parallel_plan(model: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The DTensor plan for the parts of `model` present (a pipeline stage may lack the embedding or head)."""
-    residual = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream between blocks
-    plan: dict[str, ParallelStyle] = {}
-    if model.wte is not None:
-        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-        if sequence_parallel:
-            plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    for key in model.blocks:
-        plan |= block_plan(sequence_parallel, prefix=f"blocks.{key}.")
-    if model.lm_head is not None:
-        if sequence_parallel:
-            plan["ln_f"] = SequenceParallel()
-        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
-    return plan
+from paralm.models.spec import ModelSpec
 
 
-def block_plan(sequence_parallel: bool, prefix: str = "") -> dict[str, ParallelStyle]:
-    """The DTensor plan of one `Block` whose submodules are named `prefix` + their names in the block."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {}
-    for part, projections, output in (("attn", ("wq", "wk", "wv"), "wo"), ("mlp", ("fc",), "proj")):
-        if sequence_parallel:
-            plan[f"{prefix}ln_{1 if part == 'attn' else 2}"] = SequenceParallel()
-        # one DTensor input shared by q, k and v: their input gradients add up locally and are
-        # all-reduced (or reduce-scattered) once, not once per projection
-        plan[f"{prefix}{part}"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
-        for name in projections:
-            plan[f"{prefix}{part}.{name}"] = ColwiseParallel()
-        plan[f"{prefix}{part}.{output}"] = RowwiseParallel(output_layouts=residual)
-    return plan
+def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` in place over `tp_mesh` by its family's plan; tied weights stay one parameter
+    (each style registers its own DTensor copy; the plan shards both the same way)."""
+    tied = [(name, source) for name, source in spec.tied.items() if _same_parameter(model, name, source)]
+    parallelize_module(model, tp_mesh, spec.tensor_parallel_plan(model, sequence_parallel))
+    for name, source in tied:
+        module, attribute = name.rsplit(".", 1)
+        setattr(model.get_submodule(module), attribute, model.get_parameter(source))
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> GPT:
-    """Shard `model` in place over `tp_mesh`; the tied embedding and head keep sharing one parameter."""
-    tied = model.wte is not None and model.lm_head is not None and model.lm_head.weight is model.wte.weight
-    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel))
-    if tied:  # each style registered its own DTensor copy; both are Shard(0) over the vocabulary
-        model.lm_head.weight = model.wte.weight
-    return model
+def _same_parameter(model: nn.Module, name: str, source: str) -> bool:
+    """Whether `model` holds both parameters and they are one (a pipeline stage may hold one or a copy)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return name in params and source in params and params[name] is params[source]
 
 
 def reduce_partial_gradients(model: nn.Module) -> None:

@@ -15,8 +15,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
-from paralm.plan.shape import ModelShape
 
 ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GELU, 4 reshapes / casts
 # Kernels one block's forward and backward launch as `paralm.plan.timing` counts them: the six weight

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from paralm.config import Config
 from paralm.dtypes import DTYPE_BYTES
+from paralm.models.registry import model_shape
+from paralm.models.shape import ModelShape
 from paralm.parallel.split import stage_split
 from paralm.plan.schedules import SCHEDULES, Schedule
-from paralm.plan.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Workload:
         # paralm's SGD has no momentum buffer (torch.optim.SGD without momentum), AdamW two.
         slots = 2 if config.train.optimizer == "adamw" else 0
         return cls(
-            ModelShape.from_config(config.model),
+            model_shape(config.model),
             global_batch,
             config.precision.dtype,
             config.precision.reduce_dtype,

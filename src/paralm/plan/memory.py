@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload
-from paralm.plan.shape import ModelShape
 from paralm.zero import per_rank
 
 # Bytes per parameter for a 16-bit compute dtype: (parameters, gradients, fp32 master copy). The

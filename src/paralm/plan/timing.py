@@ -38,11 +38,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from paralm.models.shape import ModelShape
 from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster, Link
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
 from paralm.plan.memory import STATE_RECIPES, rank_params
-from paralm.plan.shape import ModelShape
 
 
 @dataclass(frozen=True)

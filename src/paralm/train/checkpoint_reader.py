@@ -8,8 +8,8 @@ loaded), and non-tensor entries through `torch.load(weights_only=True)`, torch's
 unpickler, which also checks names before importing. We keep loading those entries, rather than
 dropping them, because they are plain numbers and flags that `set_state_dict` expects back.
 
-The reader also lets a pipeline's last stage, which holds a copy of the tied embedding as
-`lm_head.weight`, start from a checkpoint that has optimizer state only for `wte.weight` (one
+The reader also lets a pipeline's last stage, which holds its own copy of a tied weight (GPT-2's head,
+`ModelSpec.tied`), start from a checkpoint that has optimizer state only for the weight it copies (one
 process ties the two, and its optimizer knows the parameter by its first name).
 """
 
@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
+from paralm.models.registry import FAMILIES
+
 # The modules whose dataclasses and enums make up DCP's metadata (all imported with DCP itself).
 _DCP_MODULES = frozenset(
     {
@@ -44,9 +46,9 @@ _OTHER_GLOBALS = frozenset(
         ("pathlib", "WindowsPath"),
     }
 )
-# A pipeline's last stage holds the tied embedding under this name; one process saves its
-# optimizer state under the first name.
-TIED_ALIASES = {"lm_head.weight": "wte.weight"}
+# A pipeline's last stage holds a tied weight's copy under the first name; one process saves its
+# optimizer state under the second. Every family's: an alias applies only where its source is saved.
+TIED_ALIASES = {name: source for spec in FAMILIES.values() for name, source in spec.tied.items()}
 _ALIASED_SECTIONS = ("optim.state.", "optim.param_groups.")
 
 
@@ -91,8 +93,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 def _add_tied_aliases(metadata: Metadata) -> None:
-    """Where the checkpoint has optimizer entries for `wte.weight` but none for `lm_head.weight`,
-    let the second name read the first one's entries (storage included)."""
+    """Where the checkpoint has optimizer entries for a tied weight's source but none for its copy,
+    let the copy's name read the source's entries (storage included)."""
     entries = metadata.state_dict_metadata
     for copy, original in TIED_ALIASES.items():
         for section in _ALIASED_SECTIONS:

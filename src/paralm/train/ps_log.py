@@ -12,6 +12,7 @@ from typing import Any
 
 from paralm.config import Config
 from paralm.hardware import device_peak_flops
+from paralm.models.registry import model_shape
 from paralm.parallel.ps_protocol import HEADER_BYTES, Endpoint, Kind, server_device
 from paralm.parallel.runtime import Runtime
 from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
@@ -25,7 +26,8 @@ class ServerLog:
         self.run_dir = Path(config.run.dir)
         peak = device_peak_flops(runtime.device, config.precision.dtype)
         # MFU over the devices that compute: the workers (the servers only apply updates)
-        self.throughput = Throughput(shard.model.flops_per_token(), peak, runtime.world_size - runtime.servers)
+        flops = model_shape(config.model).flops_per_token
+        self.throughput = Throughput(flops, peak, runtime.world_size - runtime.servers)
         self.pending_traffic = 0.0  # reported by workers, not yet in a row
         self.worker_peak_mem = 0  # the largest peak a worker reported
         # the largest model states a worker reported (no optimizer state: the servers step)
@@ -46,7 +48,8 @@ class ServerLog:
             else f"synchronous, global batch {self.update_batch} = {workers} x {per_push} sequences"
         )
         return (
-            f"parameter server, {self.shard.model.num_params() / 1e6:.2f}M parameters on {runtime.servers} "
+            f"parameter server, {model_shape(self.config.model).flops_params / 1e6:.2f}M parameters on "
+            f"{runtime.servers} "
             f"server(s), {workers} worker(s) on {runtime.device.type}, {how}"
         )
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from paralm.config import Config
-from paralm.model import GPT
+from paralm.models.registry import model_spec
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.flat import unflatten
 from paralm.parallel.ps_protocol import LEAD, Endpoint, Tag, shard_bounds
@@ -31,7 +31,8 @@ class ServerShard:
         self.config, self.runtime, self.peers, self.solo = config, runtime, peers, solo
         self.lead, self.servers, self.device = runtime.rank == LEAD, runtime.servers, device
         self.host = runtime.host_group  # optimizer state and checkpoint slices travel pickled, on gloo
-        self.model = GPT(config.model).to(device)  # the whole structure; only the owned slice is stepped
+        # the whole structure; only the owned slice is stepped
+        self.model = model_spec(config.model).build(config.model).to(device)
         self.params = list(self.model.parameters())
         self.bounds = shard_bounds([p.numel() for p in self.params], self.servers)
         mine = self.bounds[runtime.rank]

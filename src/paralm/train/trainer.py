@@ -24,7 +24,7 @@ from paralm.degrees import resolve_grad_accum
 from paralm.errors import Interrupted, UserError
 from paralm.evaluate import validation_loss
 from paralm.hardware import device_peak_flops
-from paralm.model import GPT
+from paralm.models.registry import model_shape, model_spec
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
 from paralm.rules import check_vocab_size
@@ -77,8 +77,8 @@ class Trainer:
         self.layout = BatchLayout(runtime.dims.dp, resolve_grad_accum(config, runtime.dims.dp), t.micro_batch_size)
 
         with torch.device("meta"):  # no memory yet: parallelize gives each rank its shards of the seeded init
-            self.model = GPT(config.model)
-        self.flops_per_token, self.num_params = self.model.flops_per_token(), self.model.num_params()
+            self.model = model_spec(config.model).build(config.model)
+        self.shape = model_shape(config.model)
         self.plan = parallelize(self.model, runtime, config)
         self.train_module = self.plan.module
         self.optimizer = self.plan.prepare_optimizer(
@@ -95,7 +95,7 @@ class Trainer:
         peak_flops = device_peak_flops(self.device, config.precision.dtype)
         self.metrics = StepMetrics(
             runtime,
-            Throughput(self.flops_per_token, peak_flops, runtime.world_size),
+            Throughput(self.shape.flops_per_token, peak_flops, runtime.world_size),
             tokens_per_step=self.layout.global_batch * config.model.block_size,
             loss_divisor=self.layout.dp_size * runtime.dims.tp,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
@@ -121,7 +121,7 @@ class Trainer:
     def _describe(self) -> str:
         layout, m = self.layout, self.config.model
         return (
-            f"{self.num_params / 1e6:.2f}M parameters ({m.n_layer} layers, d_model {m.d_model}), "
+            f"{self.shape.flops_params / 1e6:.2f}M parameters ({m.family}, {m.n_layer} layers, d_model {m.d_model}), "
             f"{self.runtime.world_size} rank(s) on {self.device.type}, dp {layout.dp_size}, "
             f"global batch {layout.global_batch} = {layout.dp_size} x {layout.grad_accum} x "
             f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}"

@@ -1,0 +1,125 @@
+"""A GPT-2-style decoder-only Transformer, as a plain `nn.Module`.
+
+It knows nothing about ranks or devices: data, tensor and pipeline parallelism are applied from
+outside (`paralm.parallel`, guided by `paralm.models.gpt2_spec`). Two choices serve them:
+- attention works out its number of heads from the width of q, so a tensor-parallel shard that
+  holds only some heads runs the same code;
+- blocks live in a `ModuleDict` keyed by layer index and `forward` skips the embedding or the head
+  when they are absent, so a pipeline stage is this model with some parts removed, and parameter
+  names stay those of the full model (checkpoints move between layouts).
+q, k and v are separate projections (Megatron shards them column-wise); Hugging Face GPT-2's fused
+`c_attn` is their concatenation (see `paralm.models.gpt2_spec`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paralm.models.config import ModelConfig
+from paralm.models.seeding import seed_parameter
+
+TIED = {"lm_head.weight": "wte.weight"}  # the head multiplies by the token embedding, as GPT-2
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.d_model // config.n_head
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wk = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wv = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_dropout(self.wo(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe: nn.Embedding | None = nn.Embedding(config.block_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
+        self.init_weights(torch.initial_seed())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer), zero
+        biases, unit LayerNorm gains. Each parameter draws from `seed` and its name (a head holding
+        its own copy of the tied embedding draws as the embedding).
+
+        Separate from `__init__` so a model built on the meta device can be materialised later.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        done: set[int] = set()
+        for module_name, module in self.named_modules():
+            for kind, param in module.named_parameters(recurse=False):
+                if id(param) in done:
+                    continue
+                done.add(id(param))
+                name = f"{module_name}.{kind}"
+                seed_parameter(seed, TIED.get(name, name))
+                if isinstance(module, nn.LayerNorm) and kind == "weight":
+                    nn.init.ones_(param)
+                elif kind == "bias":
+                    nn.init.zeros_(param)
+                else:
+                    std = residual_std if module_name.endswith(("attn.wo", "mlp.proj")) else 0.02
+                    nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) to logits (batch, seq, vocab).
+
+        On a pipeline stage without the embedding, `x` is the previous stage's hidden states; on
+        one without the head, the hidden states are returned.
+        """
+        if self.wte is not None:
+            seq = x.shape[1]
+            if seq > self.config.block_size:
+                raise ValueError(f"sequence of {seq} tokens exceeds block_size {self.config.block_size}")
+            positions = torch.arange(seq, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(positions))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.ln_f(x))
+        return x

@@ -1,0 +1,217 @@
+"""GPT-2's spec: its tensor-parallel plan, pipeline parts, closed-form counts and Hugging Face mapping.
+
+Tensor parallelism (Megatron-LM; Korthikanti et al. 2022 for sequence parallelism): per block q, k
+and v column-wise (each rank holds n_head / tp whole heads), the output projection row-wise; the MLP's
+up projection column-wise, its down projection row-wise. The embedding is row-wise over the
+vocabulary and the head column-wise with its output left sharded for `loss_parallel`: both shard the
+same `(vocab, d_model)` weight along dim 0, so the tied weight stays one parameter. Under sequence
+parallelism the LayerNorms and the residual stream are sharded along the sequence, and the learned
+position table stays replicated, each rank adding the positions its sequence shard holds.
+
+Hugging Face GPT-2 stores linear weights as `Conv1D` (in × out, transposed) and fuses q, k, v into
+`c_attn`; everything else is a rename. Only configurations that compute what paralm's GPT computes
+map: exact GELU, biases, a tied head, 4·d_model MLP, LayerNorm eps 1e-5, 1/sqrt(head_dim) scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from paralm.errors import UserError
+from paralm.models.config import ModelConfig
+from paralm.models.gpt2 import GPT, TIED
+from paralm.models.shape import ModelShape
+from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, StateDict
+
+
+def shape(config: ModelConfig) -> ModelShape:
+    """GPT-2's counts: token and learned position embeddings, pre-LN blocks with separate q/k/v/out
+    projections and a 4x GELU MLP, a final LayerNorm, a head tied to the token embedding (LayerNorms
+    keep their weight when `bias` is off)."""
+    d, n, bias = config.d_model, config.n_layer, config.bias
+    return ModelShape(
+        n_layer=n,
+        n_head=config.n_head,
+        d_model=d,
+        block_size=config.block_size,
+        vocab_size=config.vocab_size,
+        layer_matrix_params=12 * d * d,  # q, k, v, out (4 d^2) and the MLP's 4d x d pair (8 d^2)
+        layer_column_bias_params=7 * d if bias else 0,  # q, k, v (3d) and the MLP's up projection (4d)
+        layer_replicated_params=6 * d if bias else 2 * d,  # out and down biases (2d), two LayerNorms
+        final_norm_params=2 * d if bias else d,
+        embedding_params=config.vocab_size * d,
+        head_params=0,
+        position_params=config.block_size * d,
+        matrices=((config.vocab_size, d, 1), (config.block_size, d, 1), (d, d, 4 * n), (4 * d, d, n), (d, 4 * d, n)),
+    )
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The DTensor plan for the parts `model` holds (a pipeline stage may lack the embedding or head)."""
+    residual = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    plan: dict[str, ParallelStyle] = {}
+    if model.wte is not None:
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if sequence_parallel:
+            plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    for key in model.blocks:
+        plan |= _block_plan(f"blocks.{key}.", residual, sequence_parallel)
+    if model.lm_head is not None:
+        if sequence_parallel:
+            plan["ln_f"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _block_plan(prefix: str, residual: Shard | Replicate, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {}
+    for norm, part, projections, output in (
+        ("ln_1", "attn", ("wq", "wk", "wv"), "wo"),
+        ("ln_2", "mlp", ("fc",), "proj"),
+    ):
+        if sequence_parallel:
+            plan[prefix + norm] = SequenceParallel()
+        # one DTensor input shared by q, k and v: their input gradients add up locally and are
+        # all-reduced (or reduce-scattered) once, not once per projection
+        plan[prefix + part] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
+        for name in projections:
+            plan[f"{prefix}{part}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}{part}.{output}"] = RowwiseParallel(output_layouts=residual)
+    return plan
+
+
+# --- Hugging Face ---
+
+_RENAMES = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj", "ln_1": "ln_1", "ln_2": "ln_2"}
+_QKV = ("wq", "wk", "wv")
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """Arguments for `transformers.GPT2Config` describing the same architecture."""
+    if not c.bias:
+        raise UserError("Hugging Face GPT-2 has biases everywhere: only models with model.bias = true map to it")
+    return dict(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.d_model,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        activation_function="gelu",  # exact erf GELU, as F.gelu; GPT-2's default is the tanh approximation
+        resid_pdrop=c.dropout,
+        embd_pdrop=c.dropout,
+        attn_pdrop=c.dropout,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+    )
+
+
+def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `[model]` fields for a GPT-2 `config.json`, or a one-line reason why it does not map."""
+    d_model = hf.get("n_embd", 768)
+    mismatches = {
+        "activation_function": (hf.get("activation_function", "gelu_new"), "gelu"),
+        "n_inner": (hf.get("n_inner") or 4 * d_model, 4 * d_model),
+        "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), 1e-5),
+        "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
+        "scale_attn_weights": (hf.get("scale_attn_weights", True), True),
+        "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
+        "add_cross_attention": (hf.get("add_cross_attention", False), False),
+    }
+    for name, (got, needed) in mismatches.items():
+        if got != needed:
+            raise UserError(
+                f"{source}: {name} = {got!r}, paralm's GPT-2 needs {needed!r}; "
+                "paralm imports only models it computes exactly"
+            )
+    return dict(
+        family="gpt2",
+        n_layer=hf.get("n_layer", 12),
+        n_head=hf.get("n_head", 12),
+        d_model=d_model,
+        block_size=hf.get("n_positions", 1024),
+        vocab_size=hf.get("vocab_size", 50257),
+        dropout=float(hf.get("resid_pdrop", 0.1)),
+        bias=True,
+    )
+
+
+def _renamed(n_layer: int) -> list[tuple[str, str, bool]]:
+    """(paralm name, HF name, transposed) for every tensor but the fused q, k, v and the tied head."""
+    pairs = [(name, f"transformer.{name}", False) for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")]
+    for i in range(n_layer):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for hf_name, name in _RENAMES.items():
+            pairs.append((p + name + ".weight", h + hf_name + ".weight", "ln" not in hf_name))
+            pairs.append((p + name + ".bias", h + hf_name + ".bias", False))
+    return pairs
+
+
+def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+    """HF GPT-2's tensors (the tied `lm_head.weight` left out: transformers restores it from the embedding)."""
+    out = {hf: sd[name].t() if transposed else sd[name] for name, hf, transposed in _renamed(config.n_layer)}
+    for i in range(config.n_layer):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        out[h + "attn.c_attn.weight"] = torch.cat([sd[p + f"attn.{w}.weight"] for w in _QKV]).t()
+        out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{w}.bias"] for w in _QKV])
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+    """paralm's state dict from HF GPT-2 weights (the inverse of `to_hf`; the head is the embedding)."""
+    hf = {k.removeprefix("model."): v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    with torch.device("meta"):  # names only, no memory
+        model = GPT(config)
+        expected = set(to_hf(model.state_dict(), config))
+    missing = sorted(expected - set(hf))
+    if missing:
+        what = "no biases" if all(k.endswith(".bias") for k in missing) else "missing weights"
+        raise UserError(f"{source}: {what} ({', '.join(missing[:3])}...): not a GPT-2 model paralm can load")
+    extra = sorted(set(hf) - expected - {"lm_head.weight"})
+    if extra:
+        raise UserError(f"{source}: weights paralm's GPT-2 has no place for: {', '.join(extra[:3])}")
+    if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["transformer.wte.weight"]):
+        raise UserError(f"{source}: lm_head.weight differs from the embedding (an untied head); paralm ties them")
+    out = {name: hf[h].t() if transposed else hf[h] for name, h, transposed in _renamed(config.n_layer)}
+    for i in range(config.n_layer):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        weights = hf[h + "attn.c_attn.weight"].t().split(config.d_model)
+        biases = hf[h + "attn.c_attn.bias"].split(config.d_model)
+        for w, weight, bias in zip(_QKV, weights, biases, strict=True):
+            out[p + f"attn.{w}.weight"], out[p + f"attn.{w}.bias"] = weight, bias
+    out["lm_head.weight"] = out["wte.weight"]
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def check(config: ModelConfig) -> None:
+    """Every shape the generic checks admit builds (d_model divisible by n_head is checked there)."""
+
+
+SPEC = ModelSpec(
+    name="gpt2",
+    build=GPT,
+    check=check,
+    shape=shape,
+    tensor_parallel_plan=tensor_parallel_plan,
+    pipeline=PipelineParts(blocks="blocks", first=("wte", "wpe"), last=("ln_f", "lm_head")),
+    tied=TIED,
+    hf=HFMapping(
+        model_type="gpt2",
+        architecture="GPT2LMHeadModel",
+        config_to_hf=config_to_hf,
+        config_from_hf=config_from_hf,
+        to_hf=to_hf,
+        from_hf=from_hf,
+    ),
+)

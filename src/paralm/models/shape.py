@@ -1,0 +1,70 @@
+"""A model's size in closed form: the one source of parameter counts and FLOPs per token.
+
+Metrics (MFU), the memory prediction, the pipeline's balanced split and the planner all read this;
+each family's spec computes it from the config alone, so the planner can price models it cannot
+build (175B parameters), and a test holds each family's counts against its built module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts by how tensor parallelism treats them, and the dimensions the cost model needs."""
+
+    n_layer: int
+    n_head: int
+    d_model: int
+    block_size: int
+    vocab_size: int
+    layer_matrix_params: int  # one block's weight matrices: sharded by tensor parallelism
+    layer_column_bias_params: int  # biases of one block's column-parallel projections: sharded too
+    layer_replicated_params: int  # row-parallel biases and norms of one block: replicated by TP
+    final_norm_params: int
+    embedding_params: int  # the token embedding
+    head_params: int  # the LM head's matrix; 0 when it is the token embedding (tied)
+    position_params: int  # a learned position table; 0 without one
+    matrices: tuple[tuple[int, int, int], ...]  # (rows, columns, how many) of every weight matrix
+
+    @cached_property
+    def layer_params(self) -> int:
+        return self.layer_matrix_params + self.layer_column_bias_params + self.layer_replicated_params
+
+    @cached_property
+    def params(self) -> int:
+        """Every parameter, counted once (a tied head with its embedding)."""
+        outer = self.embedding_params + self.head_params + self.position_params + self.final_norm_params
+        return outer + self.n_layer * self.layer_params
+
+    @cached_property
+    def flops_params(self) -> int:
+        """N of the FLOP convention: all parameters but the position table, which multiplies nothing."""
+        return self.params - self.position_params
+
+    @cached_property
+    def flops_per_token(self) -> int:
+        """Model FLOPs per trained token, forward and backward: 6N + 12 L d s (Kaplan et al. 2020; PaLM,
+        appendix B; nanoGPT's `estimate_mfu`). 6N: 2 FLOPs per multiply-add, backward twice the forward;
+        12 L d s: QK^T and AV over a context of s at full (non-causal) cost. Recomputation is not
+        counted (not useful work), as the MFU convention has it."""
+        return 6 * self.flops_params + 12 * self.n_layer * self.d_model * self.block_size
+
+    @cached_property
+    def head_matrix_params(self) -> int:
+        """The LM head's weights, whether its own or the tied embedding's."""
+        return self.head_params or self.embedding_params
+
+    def layer_forward_flops(self, tokens: int) -> tuple[float, float]:
+        """(matmul-with-weights, attention-core) forward FLOPs of one block for `tokens` tokens.
+
+        Weights: 2 FLOPs per parameter per token; attention: QK^T and AV, 2 * 2 * d * s per token.
+        Backward costs twice each: half for input gradients, half for weight gradients (weights only).
+        """
+        return 2 * self.layer_params * tokens, 4 * self.d_model * self.block_size * tokens
+
+    def head_forward_flops(self, tokens: int) -> float:
+        """The LM head matmul and final norm, forward (the embedding lookup costs no FLOPs)."""
+        return 2 * (self.head_matrix_params + self.final_norm_params) * tokens

@@ -1,0 +1,62 @@
+"""What a model family tells the rest of paralm: the one place a model's shape is described.
+
+A strategy never names a model's submodules; it asks the family's `ModelSpec`: tensor parallelism
+its plan, pipeline parallelism where to cut, the planner and the metrics its closed-form counts,
+checkpoints its tied weights, export and import its Hugging Face mapping. A new family is a module
+file, a spec file and a line in `paralm.models.registry` (torchtitan's `TrainSpec`, narrowed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from paralm.models.config import ModelConfig
+from paralm.models.shape import ModelShape
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PipelineParts:
+    """How the module is cut into pipeline stages: blocks in a `ModuleDict` keyed by layer index, and
+    the modules only the first stage (embeddings) or only the last stage (final norm, head) holds. A
+    stage is the module with the other parts set to None; its `forward` skips what is absent."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """The family as a Hugging Face `transformers` architecture, both ways.
+
+    `to_hf` returns the tensors `save_pretrained` would write (a tied head left out); `from_hf` takes
+    them back, or raises a one-line `UserError`; `config_from_hf` returns the `[model]` fields, or
+    refuses in one line a configuration the family does not compute exactly."""
+
+    model_type: str
+    architecture: str
+    config_to_hf: Callable[[ModelConfig], dict[str, Any]]
+    config_from_hf: Callable[[dict[str, Any], str], dict[str, Any]]
+    to_hf: Callable[[StateDict, ModelConfig], StateDict]
+    from_hf: Callable[[StateDict, ModelConfig, str], StateDict]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # `model.family`
+    build: Callable[[ModelConfig], nn.Module]  # the plain module, initialised from the global seed
+    check: Callable[[ModelConfig], None]  # raises a one-line UserError for a shape the family cannot build
+    shape: Callable[[ModelConfig], ModelShape]
+    # the DTensor plan for the parts the module holds, (module, sequence_parallel) -> {submodule: style}
+    tensor_parallel_plan: Callable[[nn.Module, bool], dict[str, ParallelStyle]]
+    pipeline: PipelineParts
+    tied: Mapping[str, str]  # parameter name -> the parameter it shares (the head's weight -> the embedding's)
+    hf: HFMapping
