@@ -67,7 +67,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
 
     from paralm.config import Config
     from paralm.errors import UserError
-    from paralm.model import GPT
+    from paralm.models.registry import model_spec
     from paralm.parallel.pipeline import build_pipeline
     from paralm.parallel.runtime import init_runtime, shutdown
     from paralm.rules import check_model_parallel
@@ -96,7 +96,8 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
                     print(ROW + json.dumps({**row, "skipped": str(e)}), flush=True)
                 continue
             torch.manual_seed(0)
-            pipe = build_pipeline(GPT(config.model), runtime, config, lambda stage: stage)
+            spec = model_spec(config.model)
+            pipe = build_pipeline(spec.build(config.model), spec, runtime, config, lambda stage: stage)
             busy = [0.0]
             for stage in pipe.stages:
                 for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

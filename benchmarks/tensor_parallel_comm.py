@@ -67,7 +67,10 @@ def worker(tp: int, batch: int) -> None:
     import torch
 
     from paralm.config import Config
-    from paralm.model import GPT, GPTConfig, cross_entropy_loss
+    from paralm.models.config import ModelConfig
+    from paralm.models.gpt2 import GPT
+    from paralm.models.gpt2_spec import SPEC
+    from paralm.models.loss import cross_entropy_loss
     from paralm.parallel.runtime import init_runtime, shutdown
     from paralm.parallel.tensor import apply_tensor_parallel, local_value, loss_context
 
@@ -77,9 +80,9 @@ def worker(tp: int, batch: int) -> None:
         counts = {}
         for layers in (2, 4):
             torch.manual_seed(0)
-            model = GPT(GPTConfig(n_layer=layers, **SHAPE))
+            model = GPT(ModelConfig(n_layer=layers, **SHAPE))
             full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            apply_tensor_parallel(model, runtime.mesh["tp"], sp)
+            apply_tensor_parallel(model, SPEC, runtime.mesh["tp"], sp)
             local_bytes = sum(local_value(p).numel() * p.element_size() for p in model.parameters())
             mode, _ = _counting_mode(tp)
             with mode, loss_context(tp):

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from common import print_table, train_metrics
 
-from paralm.model import GPT, GPTConfig
+from paralm.models import registry
+from paralm.models.config import ModelConfig
 from paralm.train.memory import MiB, StateBytes, ZeroPrediction
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def _run(shape: dict[str, int], extra: list[str], steps: int, nproc: int) -> dic
 
 
 def memory_table(shape: dict[str, int], steps: int, all_ranks: list[int]) -> None:
-    num_params = GPT(GPTConfig(**shape)).num_params(exclude_position_embedding=False)
+    num_params = registry.model_shape(ModelConfig(**shape)).params
     rows = []
     for ranks in all_ranks:
         for stage in (0,) if ranks == 1 else (0, 1, 2, 3):

@@ -7,7 +7,10 @@ only: we allow 1e-6 absolute on every gradient entry and the first loss, 1e-5 on
 and gradient norms (as for tensor parallelism, see test_tensor_parallel).
 """
 
+from unittest import mock
+
 import pytest
+import torch
 
 from paralm.config import PIPELINE_SCHEDULES
 from paralm.models.gpt2 import GPT
@@ -64,18 +67,28 @@ def test_four_stages_with_1f1b_and_interleaved_1f1b_match_one_process(tmp_path):
 
 
 def _held_parameters(config):
+    """The rank's parameters by name, and how many elements it allocated for meta tensors on the way."""
+    allocated = []
+    to_empty = torch.nn.Module.to_empty
+
+    def counting_to_empty(module, *args, **kwargs):
+        allocated.append(sum(p.numel() for p in module.parameters() if p.is_meta))
+        return to_empty(module, *args, **kwargs)
+
     runtime = init_runtime(config.parallel)
-    trainer = Trainer(config, runtime)
+    with mock.patch.object(torch.nn.Module, "to_empty", counting_to_empty):
+        trainer = Trainer(config, runtime)
     held = {name: p.numel() for name, p in trainer.model.named_parameters()}
     shutdown(runtime)
-    return held
+    return held, sum(allocated)
 
 
-def test_each_pipeline_rank_holds_only_its_stages(tmp_path):
+@pytest.mark.slow
+def test_each_pipeline_rank_holds_and_allocates_only_its_stages(tmp_path):
     """Two stages of a 2-layer model: the first holds the embeddings and block 0, the last block 1, the final
     norm and its copy of the tied embedding; together they hold the whole model once (plus that copy)."""
     config = tiny_config(tmp_path / "pp", parallel={"pp": 2})
-    first, last = run_ranks(_held_parameters, 2, tmp_path, config)
+    (first, first_allocated), (last, last_allocated) = run_ranks(_held_parameters, 2, tmp_path, config)
     whole = {name: p.numel() for name, p in GPT(config.model).named_parameters()}
     assert {name.split(".")[0] for name in first} == {"wte", "wpe", "blocks"}
     assert {name.split(".")[1] for name in first if name.startswith("blocks.")} == {"0"}
@@ -84,3 +97,5 @@ def test_each_pipeline_rank_holds_only_its_stages(tmp_path):
     assert first.keys().isdisjoint(last.keys())
     assert {**first, **last} == {**whole, "lm_head.weight": whole["wte.weight"]}
     assert sum(first.values()) + sum(last.values()) == sum(whole.values()) + whole["wte.weight"]
+    # stages are cut on the meta device: a rank allocates its own stages' weights, never the whole model's
+    assert first_allocated == sum(first.values()) and last_allocated == sum(last.values())
