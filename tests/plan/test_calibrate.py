@@ -1,13 +1,13 @@
 """What `paralm calibrate` measures, checked without timing anything (the matmul rate is faked)."""
 
-import dataclasses
+import json
+from pathlib import Path
 
-import pytest
 import torch
 
 from paralm import hardware
-from paralm.plan import calibrate, comm, dispatch, kernels, tp_reference
-from paralm.plan.cluster import PRESETS
+from paralm.plan import calibrate
+from paralm.plan.cluster import RETIRED_FIELDS, load_cluster
 
 
 def test_the_matmul_curves_are_measured_on_thin_matmuls_of_each_smallest_side(monkeypatch) -> None:
@@ -50,52 +50,41 @@ def test_each_size_is_a_fraction_of_its_own_rounds_best() -> None:
     assert measured["peak_fp32"] == 10.0
 
 
-def test_the_compute_scale_is_the_reference_over_its_price() -> None:
-    """A reference that ran 7% longer than the kernel figures price it gives a scale of 1.07, whatever
-    scale the cluster already carries (it is a ratio to the unscaled price)."""
-    cluster = dataclasses.replace(PRESETS["h100"], kernel_latency=3e-5, memory_bandwidth=5e9, peak_flops={"fp32": 6e10})
-    reference = calibrate.REFERENCE
-    price = (
-        reference.n_layer
-        * kernels.block_forward(cluster, "fp32", reference, calibrate.REFERENCE_SEQUENCES, 1, False, 4).training
-    )
-    assert calibrate.compute_scale(cluster, 1.07 * price) == pytest.approx(1.07)
-    scaled = dataclasses.replace(cluster, compute_scale=2.0)
-    assert calibrate.compute_scale(scaled, 1.07 * price) == pytest.approx(1.07)
+def test_a_calibration_holds_the_measured_figures_and_nothing_else(monkeypatch, tmp_path) -> None:
+    """The workers' figures (faked here) become the cluster's: the collectives' alpha and beta on both
+    links, the thin-matmul curve of the training dtype with each other dtype's beside it; the file
+    written holds none of the retired host corrections and reads back as the same cluster."""
+    figures = {
+        "communication.json": {
+            "allreduce_latency": 3e-5,
+            "allreduce_bandwidth": 7e8,
+            "reduce_scatter_factor": 2.0,
+            "all_gather_factor": 2.5,
+            "comm_overlap": 0.4,
+        },
+        "compute.json": {
+            "runtime_bytes": 3e8,
+            "memory_bytes": 8e9,
+            "kernel_latency": 4e-6,
+            "memory_bandwidth": 9e9,
+            "peak_fp32": 2e11,
+            "peak_bf16": 1e11,
+            **{f"gemm_{d}_{n}": n / 1024 for d in ("fp32", "bf16") for n in calibrate.GEMM_SIZES_CPU},
+        },
+    }
 
+    def spawn(worker, args, nprocs, join) -> None:
+        name = "communication.json" if worker is calibrate._communication_worker else "compute.json"
+        (Path(args[2]) / name).write_text(json.dumps(figures[name]))
 
-def test_the_reference_runs_in_rounds_with_every_worker(monkeypatch) -> None:
-    """Each round starts with every worker at once and runs at least two calls."""
-    starts, now = [], [0.0]
-    monkeypatch.setattr(dispatch.time, "perf_counter", lambda: now[0])
-
-    def backward(self, *args, **kwargs) -> None:
-        now[0] += 0.25
-
-    monkeypatch.setattr(torch.Tensor, "backward", backward)
-    seconds = calibrate._reference_seconds(lambda: starts.append(now[0]))
-    assert len(starts) == calibrate.ROUNDS
-    assert seconds == pytest.approx(0.25)
-
-
-def test_the_tensor_parallel_scale_is_the_tensor_parallel_reference_over_its_price() -> None:
-    """The reference's blocks priced as a tensor-parallel step prices them: each kernel with DTensor's
-    dispatch, four all-reduces of the activations per block each waiting for the slower rank, at the
-    cluster's compute scale; the scale the cluster already carries for tensor parallelism left out."""
-    cluster = dataclasses.replace(
-        PRESETS["h100"],
-        kernel_latency=3e-5,
-        tensor_parallel_latency=2e-4,
-        sync_cost=2e-3,
-        memory_bandwidth=5e9,
-        peak_flops={"fp32": 6e10},
-        compute_scale=1.2,
-    )
-    ref, sequences = tp_reference.REFERENCE, tp_reference.REFERENCE_SEQUENCES
-    dispatched = dataclasses.replace(cluster, kernel_latency=2.3e-4)
-    all_reduce = comm.all_reduce(sequences * ref.block_size * ref.d_model * 4, 2, cluster.intra) + 2e-3
-    block = kernels.block_forward(dispatched, "fp32", ref, sequences, 2, False, 4).training
-    price = ref.n_layer * (block + 4 * all_reduce)
-    assert calibrate.tensor_parallel_scale(cluster, 1.3 * price) == pytest.approx(1.3)
-    scaled = dataclasses.replace(cluster, tensor_parallel_scale=2.0)
-    assert calibrate.tensor_parallel_scale(scaled, 1.3 * price) == pytest.approx(1.3)
+    monkeypatch.setattr(calibrate.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(calibrate.mp, "spawn", spawn)
+    cluster = calibrate.calibrate(2)
+    assert (cluster.intra_latency, cluster.inter_bandwidth, cluster.comm_overlap) == (3e-5, 7e8, 0.4)
+    assert (cluster.kernel_latency, cluster.memory_bandwidth, cluster.peak("bf16")) == (4e-6, 9e9, 1e11)
+    assert cluster.gemm_efficiency[0] == (32.0, 32 / 1024) and set(cluster.dtype_gemm_efficiency) == {"bf16"}
+    text = cluster.to_toml()
+    assert not any(field in text for field in RETIRED_FIELDS)
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    assert load_cluster(path) == cluster

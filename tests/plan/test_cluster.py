@@ -63,11 +63,7 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
                 "reduce_scatter",
                 "all_gather",
                 "comm_",
-                "sync_",
                 "gemm_shape",
-                "tensor_parallel_",
-                "shared_cores",
-                "compute_scale",
                 "[cluster.dtype_gemm",
             )
         )
@@ -80,14 +76,20 @@ def test_files_from_before_the_collective_factors_still_load(tmp_path) -> None:
     path.write_text(text.replace('gemm_shape = "square"', 'gemm_shape = "round"'))
     with pytest.raises(UserError, match="gemm_shape must be one of square, thin"):
         load_cluster(path)
-    for field in ("tensor_parallel_latency", "shared_cores"):
-        path.write_text(text.replace(f"{field} = 0.0", f"{field} = -1e-05"))
-        with pytest.raises(UserError, match="tensor_parallel_latency and shared_cores must be at least 0"):
-            load_cluster(path)
-    for scale in ("compute_scale", "tensor_parallel_scale"):
-        path.write_text(text.replace(f"{scale} = 1.0", f"{scale} = 0.0"))
-        with pytest.raises(UserError, match="compute_scale and tensor_parallel_scale must be positive"):
-            load_cluster(path)
+
+
+def test_files_with_the_retired_host_corrections_load_without_them(tmp_path, capsys) -> None:
+    """Calibrations from before issue 27 wrote CPU-host corrections the model no longer prices: such a
+    file loads as the figures it still holds, with one line naming what was ignored."""
+    path = tmp_path / "cluster.toml"
+    retired = "sync_cost = 0.002\ncompute_scale = 1.3\ntensor_parallel_scale = 1.2\nshared_cores = 2.0\n"
+    path.write_text(PRESETS["h100"].to_toml().replace("[cluster]\n", "[cluster]\n" + retired))
+    assert load_cluster(path) == PRESETS["h100"]
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "compute_scale, shared_cores, sync_cost, tensor_parallel_scale" in line and "paralm calibrate" in line
+    path.write_text(PRESETS["h100"].to_toml().replace("[cluster]\n", "[cluster]\nsync_costs = 1.0\n"))
+    with pytest.raises(UserError, match="unknown sync_costs"):
+        load_cluster(path)
 
 
 def test_with_devices_keeps_the_hardware() -> None:

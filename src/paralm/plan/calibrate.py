@@ -12,10 +12,7 @@ what each one gets during training:
   (a smaller size that ran faster is noise: the cost model assumes larger matrices run no slower). The
   default training dtype's (bf16 on CUDA, fp32 on CPU) in alternating rounds with every worker starting
   each size at once, each size's median; the other dtypes' in one pass;
-- kernel latency: on a GPU the fastest tiny elementwise kernel (a launch: the host runs ahead of the
-  device); on a CPU, where the host's work is the device's, what issuing a kernel costs in training,
-  and what a tensor-parallel step's DTensor dispatch adds to it (`paralm.plan.dispatch`; 1 process on
-  2 cores: 32 us per kernel, where the fastest tiny kernel takes 10);
+- kernel latency: the fastest tiny elementwise kernel (a launch on a GPU, a dispatch on a CPU);
 - memory bandwidth: an AdamW step with gradient clipping over 4M parameters, at the bytes the cost
   model says that step moves, so the optimizer term reproduces itself;
 - all-reduce alpha and beta: gloo (NCCL on GPUs) between the workers (at least 2), ring model:
@@ -24,22 +21,14 @@ what each one gets during training:
   those alpha and beta (gloo's are not rings: 2-3x on CPUs);
 - communication overlap: an all-reduce started asynchronously beside a run of matmuls about as long,
   median of alternating rounds: the fraction of its time the compute hid;
-- synchronisation cost: a burst of matmuls followed by a blocking all-reduce, against the two alone:
-  what waiting for the slowest rank adds to each tensor-parallel collective and pipeline transfer;
-- the compute scale (CPUs): a reference stack of transformer blocks, forward and backward, sustained,
-  median of rounds, against what the figures above price it at: what kernels lose beside each other
-  (caches left cold by the other kernels, and by other workers when they outnumber the cores) that
-  each measured alone does not (on 2 cores, 1-8 processes: median 1.01 over 60 calibrations, 0.85-1.66);
-- the tensor-parallel scale (CPUs, an even number of devices): blocks parallelized over pairs of the
-  workers (`paralm.plan.tp_reference`), against their price: what a tensor-parallel step's compute
-  and collectives do to each other;
 - the runtime allowance: the memory a worker holds after importing the trainer and joining the job.
-One machine has no inter-node link: the file repeats the intra-node figures there.
+One machine has no inter-node link: the file repeats the intra-node figures there. Nothing here
+corrects for what processes sharing a host's cores do to each other: `--parallel.auto` measures its
+best candidates instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
@@ -55,22 +44,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paralm.model import Block, GPTConfig
-from paralm.plan import tp_reference
 from paralm.plan.cluster import Cluster
 from paralm.plan.collectives import fastest, measure_collectives
-from paralm.plan.dispatch import kernel_latencies, seconds_per_call
-from paralm.plan.kernels import block_forward
-from paralm.plan.shape import ModelShape
-from paralm.plan.timing import optimizer_bytes_per_param, tensor_parallel_blocks
+from paralm.plan.timing import optimizer_bytes_per_param
 
 GEMM_SIZES_CUDA = (128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (32, 64, 128, 256, 512, 1024)
 OPTIMIZER_PARAMS = 1 << 22
-# A stack of blocks no validated model shares (widths 128-384): `compute_scale`'s measurement.
-REFERENCE = ModelShape(n_layer=2, n_head=3, d_model=192, block_size=128, vocab_size=8)
-REFERENCE_SEQUENCES = 4
-ROUNDS = 5  # alternating rounds of the matmul curve and of the per-kernel costs
+ROUNDS = 5  # alternating rounds of the training dtype's matmul curve
 
 
 def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_servers: int = 0) -> Cluster:
@@ -88,7 +69,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
         # Two phases, so that no idle process (a gloo barrier spins) disturbs the compute figures.
-        mp.spawn(_communication_worker, args=(workers, threads, tmp, devices), nprocs=workers, join=True)
+        mp.spawn(_communication_worker, args=(workers, threads, tmp), nprocs=workers, join=True)
         together = mp.get_context("spawn").Barrier(computing)
         mp.spawn(_compute_worker, args=(devices, threads, tmp, together), nprocs=computing, join=True)
         measured = {
@@ -101,7 +82,7 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
     sizes = GEMM_SIZES_CUDA if cuda else GEMM_SIZES_CPU
     peaks = {k.removeprefix("peak_"): v for k, v in measured.items() if k.startswith("peak_")}
     curves = {d: _rising(sizes, [measured[f"gemm_{d}_{n}"] for n in sizes]) for d in peaks}
-    cluster = Cluster(
+    return Cluster(
         name=name.replace(" ", "-").lower(),
         nodes=1,
         devices_per_node=devices,
@@ -115,27 +96,13 @@ def calibrate(devices: int, log: Callable[[str], None] = lambda line: None, ps_s
         gemm_efficiency=curves.pop(_curve_dtype(cuda)),
         dtype_gemm_efficiency=curves,
         kernel_latency=measured["kernel_latency"],
-        tensor_parallel_latency=measured["tensor_parallel_latency"],
         runtime_bytes=measured["runtime_bytes"],
         reduce_scatter_factor=measured["reduce_scatter_factor"],
         all_gather_factor=measured["all_gather_factor"],
         comm_overlap=measured["comm_overlap"],
-        sync_cost=measured["sync_cost"],
         gemm_shape="thin",
         source=f"paralm calibrate, {date.today()}, torch {torch.__version__}",
     )
-    if cuda:
-        return cluster
-    cluster = dataclasses.replace(
-        cluster,
-        compute_scale=compute_scale(cluster, measured["reference_seconds"]),
-        shared_cores=float(os.cpu_count() or 1),
-    )
-    if "tp_reference_seconds" in measured:
-        scale = tensor_parallel_scale(cluster, measured["tp_reference_seconds"])
-        cluster = dataclasses.replace(cluster, tensor_parallel_scale=scale)
-    log(f"  compute_scale: {cluster.compute_scale:.4g}, tensor_parallel_scale: {cluster.tensor_parallel_scale:.4g}")
-    return cluster
 
 
 def _rising(sizes: tuple[int, ...], fractions: list[float]) -> tuple[tuple[float, float], ...]:
@@ -153,7 +120,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _communication_worker(rank: int, workers: int, threads: int, folder: str, devices: int) -> None:
+def _communication_worker(rank: int, workers: int, threads: int, folder: str) -> None:
     gpus = torch.cuda.device_count()
     nccl = gpus >= workers  # otherwise gloo between processes, as `paralm train` on CPUs
     device = torch.device("cuda", rank) if nccl else torch.device("cpu")
@@ -162,8 +129,6 @@ def _communication_worker(rank: int, workers: int, threads: int, folder: str, de
     torch.set_num_threads(threads)
     dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=workers)
     measured = measure_collectives(device, workers)
-    if not torch.cuda.is_available() and devices >= tp_reference.TP and devices % tp_reference.TP == 0:
-        measured["tp_reference_seconds"] = tp_reference.reference_seconds(ROUNDS)
     if rank == 0:
         (Path(folder) / "communication.json").write_text(json.dumps(measured))
     dist.barrier()
@@ -213,9 +178,9 @@ def _compute(device: torch.device, together: Callable[[], object]) -> dict[str, 
     # of one size. (The best round would be the luckiest share of the cores: 20% over the fair share
     # with 4 workers on 2.)
     measured |= _curve_from_rounds(dtype, [{n: rate(dtype, n) for n in sizes} for _ in range(ROUNDS)])
-    measured |= kernel_latencies(device, together, ROUNDS)
-    if not cuda:
-        measured["reference_seconds"] = _reference_seconds(together)
+    together()
+    one = torch.ones(1, device=device)
+    measured["kernel_latency"] = fastest(lambda: one.add_(1.0), device, repeats=50)
 
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
@@ -247,35 +212,6 @@ def _curve_from_rounds(dtype: str, rounds: list[dict[int, float]]) -> dict[str, 
     peak = statistics.median(max(one.values()) for one in rounds)
     curve = {f"gemm_{dtype}_{n}": statistics.median(f[n] for f in fractions) for n in rounds[0]}
     return {f"peak_{dtype}": peak} | curve
-
-
-def _reference_seconds(together: Callable[[], object]) -> float:
-    """Seconds of one forward and backward of `REFERENCE` (`REFERENCE_SEQUENCES` sequences), sustained
-    for 0.3 s (at least 2 calls) in alternating rounds with every worker at once, median of the rounds:
-    its kernels beside each other, as a training step runs them."""
-    config = GPTConfig(**dataclasses.asdict(REFERENCE), dropout=0.0)
-    blocks = torch.nn.Sequential(*(Block(config) for _ in range(REFERENCE.n_layer)))
-    x = torch.randn(REFERENCE_SEQUENCES, REFERENCE.block_size, REFERENCE.d_model, requires_grad=True)
-    blocks(x).sum().backward()  # warm-up
-    rounds = []
-    for _ in range(ROUNDS):
-        together()
-        rounds.append(seconds_per_call(lambda: blocks(x).sum().backward(), 0.3, calls=2))
-    return statistics.median(rounds)
-
-
-def compute_scale(cluster: Cluster, reference_seconds: float) -> float:
-    """The reference's measured seconds over what `cluster`'s kernel figures price (fp32, no tensor
-    parallelism): what kernels lose beside each other that each measured alone does not."""
-    blocks = block_forward(cluster, "fp32", REFERENCE, REFERENCE_SEQUENCES, 1, False, 4)
-    return reference_seconds / (REFERENCE.n_layer * blocks.training / cluster.compute_scale)
-
-
-def tensor_parallel_scale(cluster: Cluster, reference_seconds: float) -> float:
-    """The tensor-parallel reference's measured seconds over their price with `cluster`'s figures (its
-    compute scale included): what tensor-parallel compute and collectives lose beside each other."""
-    price = tensor_parallel_blocks(cluster, tp_reference.REFERENCE, tp_reference.REFERENCE_SEQUENCES, tp_reference.TP)
-    return reference_seconds / price
 
 
 def _memory_bytes(device: torch.device, devices: int) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +47,8 @@ class Cluster:
     # (matmul dimension, fraction of peak) points, ascending and non-decreasing, read at a matmul's
     # smallest dimension (`kernels`); measured on `gemm_shape` matmuls of that dimension
     gemm_efficiency: tuple[tuple[float, float], ...]
-    # Seconds the cost model adds per kernel: a launch on a GPU (the host runs ahead of the device); on a
-    # CPU the host's work per kernel as training issues them (autograd, views, dispatch), calibrated so.
+    # Seconds the cost model adds per kernel: a launch on a GPU (the host runs ahead of the device), the
+    # dispatch of one on a CPU (calibrate: the fastest tiny kernel).
     kernel_latency: float
     runtime_bytes: float  # per-device memory taken before any tensor: context, workspaces, margin
     # How much longer a reduce-scatter / all-gather takes than the ring model with the all-reduce's alpha
@@ -58,28 +59,6 @@ class Cluster:
     # have their own engines (NCCL on GPUs, the presets' assumption); CPU cores shared with gloo's
     # threads hide less, or none when the workers oversubscribe the cores.
     comm_overlap: float = 1.0
-    # Seconds a blocking collective between compute adds beyond its transfer: the ranks' skew, as
-    # other work on shared cores delays one of them (0 on dedicated GPUs, the presets' assumption).
-    sync_cost: float = 0.0
-    # Seconds a tensor-parallel step adds to each kernel where the host issues them at the device's pace
-    # (CPUs): DTensor's dispatch and the byte counter's per-operator mode, which stays on for DTensor
-    # (`paralm.plan.dispatch`). Measured by calibrate on CPUs; 0 on GPUs (the presets' assumption: the
-    # host runs ahead of the device).
-    tensor_parallel_latency: float = 0.0
-    # What a training step's kernels take beside each other over what each measured alone predicts (the
-    # roofline of `kernels`): caches that other kernels, or other workers sharing the cores, left cold.
-    # Calibrate measures it on CPUs from a reference stack of blocks (2 cores, 1-8 workers: median 1.01,
-    # 0.85-1.66); 1 on GPUs, where kernels run one at a time on the device (the presets' assumption).
-    compute_scale: float = 1.0
-    # What a tensor-parallel step's compute and collectives take over what the figures above price them
-    # at: what they do to each other on a shared host (matmuls between gloo collectives run slower).
-    # Calibrate measures it on CPUs from a reference of blocks over pairs of workers
-    # (`paralm.plan.tp_reference`); 1 on GPUs (the presets' assumption).
-    tensor_parallel_scale: float = 1.0
-    # CPU cores a node's devices share (calibrate: the machine's), 0 where each device has its own
-    # (GPUs, the presets). Processes outnumbering the cores run one thread each and share them: a rank
-    # waiting for a pipeline peer leaves its share to the ranks still computing.
-    shared_cores: float = 0.0
     # "square": the presets' published square-GEMM figures, a lower bound for thin matrices (a square is
     # the least work for its smallest side); "thin": `paralm calibrate`'s (R x n) by (n x n), R large.
     gemm_shape: str = "square"
@@ -237,6 +216,11 @@ def parse_cluster(spec: str) -> Cluster:
 
 
 GEMM_SHAPES = ("square", "thin")
+# Corrections for an oversubscribed CPU host that older calibrations wrote: `--parallel.auto` measures
+# its best candidates instead. Files that still hold them load without them.
+RETIRED_FIELDS = frozenset(
+    {"sync_cost", "tensor_parallel_latency", "compute_scale", "tensor_parallel_scale", "shared_cores"}
+)
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -246,6 +230,10 @@ def load_cluster(path: str | Path) -> Cluster:
     raw = read_toml(path).get("cluster")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: no [cluster] table; write one with `paralm calibrate --out {path}`")
+    if retired := sorted(RETIRED_FIELDS & set(raw)):
+        note = f"{path}: ignoring {', '.join(retired)} (no longer priced); `paralm calibrate` re-measures"
+        print(note, file=sys.stderr)
+        raw = {k: v for k, v in raw.items() if k not in RETIRED_FIELDS}
     fields = {f.name for f in dataclasses.fields(Cluster)}
     unknown = set(raw) - fields
     optional = {
@@ -271,10 +259,6 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UserError(f"{path}: nodes, devices_per_node and memory_bytes must be positive")
     if min(cluster.reduce_scatter_factor, cluster.all_gather_factor) <= 0 or not 0 <= cluster.comm_overlap <= 1:
         raise UserError(f"{path}: the collective factors must be positive and comm_overlap within [0, 1]")
-    if min(cluster.compute_scale, cluster.tensor_parallel_scale) <= 0:
-        raise UserError(f"{path}: compute_scale and tensor_parallel_scale must be positive (1: as the figures price)")
-    if min(cluster.sync_cost, cluster.tensor_parallel_latency, cluster.shared_cores) < 0:
-        raise UserError(f"{path}: sync_cost, tensor_parallel_latency and shared_cores must be at least 0")
     if cluster.gemm_shape not in GEMM_SHAPES:
         raise UserError(f"{path}: gemm_shape must be one of {', '.join(GEMM_SHAPES)}, got {cluster.gemm_shape!r}")
     for name, points in [("gemm_efficiency", curve), *(("dtype_gemm_efficiency." + k, v) for k, v in curves.items())]:

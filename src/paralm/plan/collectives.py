@@ -1,5 +1,5 @@
-"""What communication between this machine's workers costs, for `paralm calibrate`: collectives
-alone, beside compute and between bursts of it. Run on every worker of one process group at once."""
+"""What communication between this machine's workers costs, for `paralm calibrate`: collectives alone
+and beside compute. Run on every worker of one process group at once."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ MESSAGE_BYTES = (4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 
 def measure_collectives(device: torch.device, n: int) -> dict[str, float]:
-    """All-reduce alpha and beta, the reduce-scatter and all-gather factors, overlap and sync cost."""
+    """All-reduce alpha and beta, the reduce-scatter and all-gather factors and the overlap."""
     measured = _all_reduce(device, n)
     measured |= _sharded_collectives(device, n, measured)
     measured["comm_overlap"] = _overlap(device)
-    measured["sync_cost"] = _sync_cost(device)
     return measured
 
 
@@ -84,27 +83,6 @@ def _overlap(device: torch.device, rounds: int = 9) -> float:
 
     c, m, together = _alternating_medians((compute, lambda: dist.all_reduce(message), both), device, rounds)
     return min(1.0, max(0.0, (c + m - together) / min(c, m)))
-
-
-def _sync_cost(device: torch.device, rounds: int = 15) -> float:
-    """What a blocking collective costs between bursts of compute beyond the two alone (medians of
-    alternating rounds): the wait for the slowest rank, as tensor and pipeline parallelism meet it."""
-    message = torch.ones(MESSAGE_BYTES[-3] // 4, device=device)
-    a = torch.randn(256, 256, device=device)
-
-    def compute() -> None:
-        for _ in range(8):
-            a @ a
-
-    def exchange() -> None:
-        dist.all_reduce(message)
-
-    def both() -> None:
-        compute()
-        exchange()
-
-    c, m, together = _alternating_medians((compute, exchange, both), device, rounds)
-    return max(0.0, together - c - m)
 
 
 def _alternating_medians(fns: tuple[Callable[[], object], ...], device: torch.device, rounds: int) -> list[float]:

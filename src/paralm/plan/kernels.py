@@ -19,10 +19,6 @@ from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
 
 ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GELU, 4 reshapes / casts
-# Kernels one block's forward and backward launch as `paralm.plan.timing` counts them: the six weight
-# matmuls three times (forward, input and weight gradients), attention's two and the elementwise ones
-# three times (forward, and twice in backward).
-BLOCK_STEP_KERNELS = 3 * (6 + 2 + ELEMENTWISE_KERNELS)
 
 
 def efficiency(cluster: Cluster, dtype: str, size: float) -> float:
@@ -104,8 +100,7 @@ def block_forward(
     # GELU reads and writes the 4h-wide activation, split by TP.
     elementwise_bytes = e * tokens * d * (10 / seq_split + 8 / t)
     elementwise = elementwise_bytes / cluster.memory_bandwidth + ELEMENTWISE_KERNELS * cluster.kernel_latency
-    scale = cluster.compute_scale
-    return BlockTimes(scale * linear, scale * attention, scale * elementwise)
+    return BlockTimes(linear, attention, elementwise)
 
 
 def head_forward(cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, element_bytes: int) -> float:
@@ -113,7 +108,7 @@ def head_forward(cluster: Cluster, dtype: str, shape: ModelShape, sequences: int
     logits, write log-probabilities, read them back for the loss and its gradient)."""
     tokens, vocab = sequences * shape.block_size, shape.vocab_size / t
     loss_bytes = tokens * vocab * (element_bytes + 3 * 4)
-    return cluster.compute_scale * (
+    return (
         matmul(cluster, dtype, tokens, vocab, shape.d_model, element_bytes)
         + loss_bytes / cluster.memory_bandwidth
         + 3 * cluster.kernel_latency

@@ -4,14 +4,10 @@ Stated assumptions:
 - compute: each kernel of a block by a roofline (`kernels`): matmuls at a size-dependent fraction of
   peak, elementwise work at the memory bandwidth, a launch latency per kernel; backward costs the
   weight matmuls twice (input and weight gradients), attention and elementwise work twice; recomputed
-  blocks run their forward again; all of it times `Cluster.compute_scale` (what kernels lose beside
-  each other, measured by calibrate on CPUs; 1 on GPUs);
+  blocks run their forward again;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
-  forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path,
-  each also waiting for the slowest rank it joins (`Cluster.sync_cost`, measured by calibrate; SP's
-  pair is two such waits), and with SP one all-reduce of the replicated parameters' gradients per step;
-- the pipeline's fill and drain run up to 2x faster where a node's processes outnumber its shared
-  CPU cores (`Cluster.shared_cores`): the waiting stages' ranks sleep and leave them their cores;
+  forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path, and
+  with SP one all-reduce of the replicated parameters' gradients per step;
 - ZeRO as paralm implements it: ZeRO-1 reduce-scatters the accumulated gradients after backward (not
   overlapped) and all-gathers the updated parameters, DDP's bytes; ZeRO-2/3 reduce gradients once per
   step after the last micro-step, or after every one with `Workload.sharded_accumulation`;
@@ -26,15 +22,13 @@ Stated assumptions:
 - FSDP (ZeRO-2/3) also copies parameters and gradients in and out of its flat collective buffers:
   memory-bound, not hidden;
 - the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`;
-- on a host that issues kernels at the device's pace (CPUs), a tensor-parallel step's kernels run on
-  DTensors, under the byte counter's per-operator mode: each costs `Cluster.tensor_parallel_latency`
-  more; and its compute and collectives, beside each other on shared cores, take
-  `Cluster.tensor_parallel_scale` times what they are priced at (both measured by calibrate).
+- nothing for what processes sharing a host's cores do to each other (DTensor's dispatch, skew
+  between ranks, cores left cold or freed by waiting ranks): the model ranks layouts on such a host,
+  and `--parallel.auto` measures its best candidates for the rest.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -91,53 +85,32 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e) if rank.has_head else 0.0
     recomputed = layout.checkpointed_blocks(rank.layers)
     activation = layout.pipeline_batch * shape.block_size * shape.d_model * e
-    all_reduce = _tensor_parallel_all_reduce(cluster, activation, t, cluster.link(*group_strides(layout)["tp"]), sp)
-    scale = cluster.tensor_parallel_scale if t > 1 else 1.0
+    all_reduce = _tensor_parallel_all_reduce(activation, t, cluster.link(*group_strides(layout)["tp"]), sp)
     return _MicroBatch(
-        f=scale * (rank.layers * block.forward + head),
-        r=scale * recomputed * block.forward,
-        b_in=scale * (rank.layers * block.input_gradients + head),
-        w=scale * (rank.layers * block.weight_gradients + head),
+        f=rank.layers * block.forward + head,
+        r=recomputed * block.forward,
+        b_in=rank.layers * block.input_gradients + head,
+        w=rank.layers * block.weight_gradients + head,
         # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
-        tp_f=scale * (2 * rank.layers + rank.has_embedding) * all_reduce,
-        tp_b=scale * (2 * rank.layers + rank.has_head + 2 * recomputed) * all_reduce,
+        tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,
+        tp_b=(2 * rank.layers + rank.has_head + 2 * recomputed) * all_reduce,
     )
 
 
-def _tensor_parallel_all_reduce(cluster: Cluster, activation: float, t: int, link: Link, sp: bool) -> float:
-    """One of Megatron's f / g collectives on `activation` bytes, waiting for the slowest rank too."""
+def _tensor_parallel_all_reduce(activation: float, t: int, link: Link, sp: bool) -> float:
+    """One of Megatron's f / g collectives on `activation` bytes."""
     if t == 1:
         return 0.0
     if sp:
         # SP's all-gather + reduce-scatter pair moves what one all-reduce does (Korthikanti et al. sec.
-        # 4.2.2), at the backend's speed for each, and is two blocking collectives, not one.
-        return comm.all_gather(activation, t, link) + comm.reduce_scatter(activation, t, link) + 2 * cluster.sync_cost
-    return comm.all_reduce(activation, t, link) + cluster.sync_cost
-
-
-def tensor_parallel_blocks(cluster: Cluster, shape: ModelShape, sequences: int, tp: int) -> float:
-    """Seconds of `shape`'s blocks forward and backward, tensor-parallel over `tp` ranks of one node
-    (no SP, no head): what `paralm.plan.tp_reference` measures, priced as `step_time` prices them
-    (before `Cluster.tensor_parallel_scale`)."""
-    cluster = _dtensor_dispatch(cluster)
-    block = kernels.block_forward(cluster, "fp32", shape, sequences, tp, False, 4)
-    activation = sequences * shape.block_size * shape.d_model * 4
-    return shape.n_layer * (
-        block.training + 4 * _tensor_parallel_all_reduce(cluster, activation, tp, cluster.intra, False)
-    )
-
-
-def _dtensor_dispatch(cluster: Cluster) -> Cluster:
-    """`cluster` with each kernel issued on DTensors under the byte counter, as tensor-parallel steps run
-    (the counter stays on for DTensor: `StepRunner.counts_its_collectives`)."""
-    return dataclasses.replace(cluster, kernel_latency=cluster.kernel_latency + cluster.tensor_parallel_latency)
+        # 4.2.2), at the backend's speed for each.
+        return comm.all_gather(activation, t, link) + comm.reduce_scatter(activation, t, link)
+    return comm.all_reduce(activation, t, link)
 
 
 def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool = True) -> StepTime:
     shape, p, v, m, ga = work.shape, layout.pp, layout.pp_virtual_stages, layout.pp_microbatches, layout.grad_accum
-    if layout.tp > 1:
-        cluster = _dtensor_dispatch(cluster)
     ranks = layout.critical_ranks(shape)
     costs = [_micro_batch(layout, work, cluster, r) for r in ranks]
     mb = max(costs, key=lambda c: c.f + c.r + c.b_in + c.w + c.tp_f + c.tp_b)  # the slowest rank paces all
@@ -146,11 +119,11 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
     if p > 1:
         seq_split = layout.tp if layout.sequence_parallel else 1
         activation = layout.pipeline_batch * shape.block_size * shape.d_model * work.element_bytes / seq_split
-        # one per chunk boundary, each waiting for the peer stage
-        send = v * (comm.p2p(activation, cluster.link(*group_strides(layout)["pp"])) + cluster.sync_cost)
+        # one per chunk boundary
+        send = v * comm.p2p(activation, cluster.link(*group_strides(layout)["pp"]))
     forward = mb.f + mb.tp_f + send
     backward = mb.r + mb.b_in + mb.w + mb.tp_b + send
-    bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w) / _bubble_speedup(cluster)
+    bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w)
 
     params = max(rank_params(shape, layout, r) for r in ranks)
     dp_total, dp_exposed = _data_parallel(layout, work, cluster, params, forward * m, backward, overlap)
@@ -167,17 +140,6 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
     )
 
 
-def _bubble_speedup(cluster: Cluster) -> float:
-    """How much faster the pipeline's fill and drain run than its steady state where a node's processes
-    share fewer cores (`Cluster.shared_cores`): on average half the stages compute in the fill and
-    drain, and a rank waiting for its peer sleeps (gloo), so the others get its share: up to 2x, when
-    the processes are at least twice the cores (8 processes on 2 cores: a matmul loop ran 1.97x faster
-    with half of them waiting in a receive)."""
-    if not cluster.shared_cores:
-        return 1.0
-    return min(2.0, max(1.0, cluster.devices_per_node / cluster.shared_cores))
-
-
 def _sequence_parallel_norms(layout: Layout, work: Workload, cluster: Cluster) -> float:
     """With SP the replicated parameters (LayerNorms, row-parallel biases, positions) see their rank's part
     of the sequence: paralm sums their gradients over the tensor-parallel group once per step, in one
@@ -187,7 +149,7 @@ def _sequence_parallel_norms(layout: Layout, work: Workload, cluster: Cluster) -
     shape = work.shape
     replicated = shape.n_layer * shape.layer_replicated_params + shape.final_norm_params + shape.position_params
     link = cluster.link(*group_strides(layout)["tp"])
-    return comm.all_reduce(replicated * DTYPE_BYTES[work.reduce_dtype], layout.tp, link) + cluster.sync_cost
+    return comm.all_reduce(replicated * DTYPE_BYTES[work.reduce_dtype], layout.tp, link)
 
 
 def _data_parallel(
