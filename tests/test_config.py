@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from paralm.config import Config, load_config, parse_overrides
+from paralm.config import Config, parse_overrides
 from paralm.errors import UserError
+from paralm.load_config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

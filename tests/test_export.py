@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from paralm.cli import main
-from paralm.config import load_config
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import load_tokenizer
 from paralm.export import byte_tokenizer
 from paralm.generate import generate_from_run
+from paralm.load_config import load_config
 from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint

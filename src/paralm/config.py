@@ -20,7 +20,6 @@ from paralm.dtypes import DTYPES
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
-from paralm.rules import validate
 
 CONFIG_FILE = "config.toml"  # the resolved config, in a run directory and in each checkpoint
 
@@ -327,14 +326,3 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"config file {path} is not valid TOML: {e}") from None
     except OSError as e:
         raise UserError(f"config file {path} cannot be read: {e.strerror}") from None
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """A config from a TOML file (or the defaults) with command-line overrides applied on top."""
-    raw = read_toml(path) if path else {}
-    Config.from_dict(raw, source=str(path or "defaults"))  # name errors in the file point at the file
-    for section, values in parse_overrides(overrides or []).items():
-        raw.setdefault(section, {}).update(values)
-    config = Config.from_dict(raw, source="command line" if overrides else str(path or "defaults"))
-    validate(config)
-    return config

@@ -5,12 +5,8 @@ field and the fix when no value fits; `paralm.rules` holds the rules that need o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from paralm.config import Config, ParallelConfig
 from paralm.errors import UserError
-
-if TYPE_CHECKING:
-    from paralm.config import Config, ParallelConfig
 
 
 def pipeline_microbatches(config: Config) -> int:

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from paralm.config import CONFIG_FILE, Config, ParallelConfig, load_config
+from paralm.config import CONFIG_FILE, Config, ParallelConfig
 from paralm.data.corpus import default_corpus
 from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import BPE_FILE, END_OF_TEXT, BPETokenizer
 from paralm.errors import UserError
+from paralm.load_config import load_config
 from paralm.models.config import ModelConfig
 from paralm.models.registry import hf_spec, model_shape, model_spec
 from paralm.parallel.runtime import init_runtime

@@ -1,11 +1,9 @@
 """Every rule about settings that cannot run, in one place: each names the field and the fix.
 
-`validate` applies those that need only the config (`paralm.config.load_config` calls it); the
+`validate` applies those that need only the config (`paralm.load_config` calls it); the
 others need a fact known later (the world size, the tokenizer) and are called where it is known.
 The degrees a config leaves open (data-parallel replicas x shards, accumulation) are resolved, and
 refused when none fits, by `paralm.degrees`. The planner proposes only layouts these rules accept.
-This module reads the config but does not import it at run time, so the config can apply the rules
-without an import circle.
 """
 
 from __future__ import annotations
@@ -14,14 +12,11 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from paralm.config import Config
 from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.errors import UserError
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
-
-if TYPE_CHECKING:
-    from paralm.config import Config
 
 
 def validate(config: Config) -> None:

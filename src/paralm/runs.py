@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paralm.config import CONFIG_FILE, Config, load_config
+from paralm.config import CONFIG_FILE, Config
 from paralm.data.prepare import dataset_dir
 from paralm.errors import UserError
+from paralm.load_config import load_config
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from paralm.config import load_config
 from paralm.errors import USER_ERROR_EXIT_CODE, UserError
+from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
 
 

@@ -3,8 +3,9 @@
 import pytest
 
 from paralm.cli import main
-from paralm.config import ParallelConfig, load_config
+from paralm.config import ParallelConfig
 from paralm.errors import UserError
+from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
 
 

@@ -2,15 +2,15 @@ import dataclasses
 
 import pytest
 
-from paralm.config import load_config, validate
 from paralm.degrees import resolve_data_parallel
 from paralm.errors import UserError
+from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
 from paralm.plan.request import load_request
 from paralm.plan.search import evaluate, search
-from paralm.rules import microbatch_problem
+from paralm.rules import microbatch_problem, validate
 from tests.plan.helpers import MODEL_7B
 
 

@@ -20,14 +20,16 @@ from typing import Any
 
 import torch
 
-from paralm.config import Config, load_config, parse_overrides, read_toml, validate
+from paralm.config import Config, parse_overrides, read_toml
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
+from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
 from paralm.parallel.launch import running_under_launcher
 from paralm.plan.cluster import Cluster, GiB, load_cluster
 from paralm.plan.request import LAYOUT_FIELDS, get, load_request, override_value, with_fields
 from paralm.plan.search import Plan, search
+from paralm.rules import validate
 
 RECIPE = "fp32-master"  # how paralm stores model states: see memory.STATE_RECIPES
 SHOWN = 3

@@ -16,8 +16,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config, load_config, parse_overrides, read_toml
+from paralm.config import Config, parse_overrides, read_toml
 from paralm.errors import UserError
+from paralm.load_config import load_config
 from paralm.pipeline_schedules import fewest_stages_per_rank
 
 LAYOUT_FIELDS = (

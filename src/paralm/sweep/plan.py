@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config, load_config, parse_overrides, validate
+from paralm.config import Config, parse_overrides
 from paralm.errors import UserError
+from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
+from paralm.rules import validate
 from paralm.sweep.space import GridAxis, SampledAxis, check_distinct, expand
 
 SWEEP_FILE = "sweep.json"
