@@ -16,17 +16,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
 
-# The interfaces FSDP2's public `set_custom_all_gather` / `set_custom_reduce_scatter` take (paralm's
-# implementations count their bytes); torch 2.13 does not re-export them from `torch.distributed.fsdp`.
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
 # Intercepting every op `init_weights` runs on a sharded parameter (to replay it at full size):
 # `TorchDispatchMode` is documented but exported only from this module.
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = [
-    "AllGather",
-    "ReduceScatter",
     "TorchDispatchMode",
     "checkpoint_wrapper",
     "current_dispatch_mode",
@@ -37,8 +31,8 @@ __all__ = [
 
 
 def current_dispatch_mode() -> TorchDispatchMode | None:
-    """The innermost active dispatch mode. The byte counter (a mode) may be suspended only while it is
-    the innermost one, and `_get_current_dispatch_mode` is the only way to tell."""
+    """The innermost active dispatch mode, None without one: how a test tells that no instrument (the
+    byte counter is a mode) runs when none was asked for; `_get_current_dispatch_mode` is the only way."""
     return _get_current_dispatch_mode()
 
 

@@ -164,6 +164,9 @@ class LogConfig:
     every: int = option(10, "print a line every N steps when the output is not a terminal")
     tensorboard: bool = option(True, "write TensorBoard events into <run.dir>/tensorboard")
     progress: bool = option(True, "show a live progress bar on a terminal")
+    comm_bytes: bool = option(
+        False, "count the bytes every rank hands to torch.distributed (comm_bytes per step, comm.json); slows steps"
+    )
 
 
 @dataclass

@@ -169,22 +169,21 @@ def _hooks(config):
 
     from paralm.parallel import compression
     from paralm.parallel.bucket_state import BucketState
-    from paralm.parallel.comm_stats import CommStats
     from paralm.parallel.runtime import init_runtime, shutdown
 
     with Discipline().active() as discipline:
         runtime = init_runtime(config.parallel)
-        state = compression.HookState(None, CommStats(), topk_ratio=0.25)
+        state = compression.HookState(None, topk_ratio=0.25)
         one_parameter = lambda bucket: ([("weight", 0, 64)], 64)  # noqa: E731 - the bucket holds one 64-entry gradient
         state.buckets = BucketState({"residual": (state.residuals, one_parameter)})
-        hooks = {
-            "fp16": default_hooks.fp16_compress_wrapper(compression.allreduce_hook),
-            "bf16": compression.bf16_compress_wrapper(compression.allreduce_hook),
-            "topk": compression.topk_hook,
+        hooks = {  # each with its state: the default group, or top-k's
+            "fp16": (None, default_hooks.fp16_compress_hook),
+            "bf16": (None, compression.bf16_cast_hook),
+            "topk": (state, compression.topk_hook),
         }
-        for hook in hooks.values():
+        for hook_state, hook in hooks.values():
             for _ in range(2):  # the second time with top-k's residual
-                hook(state, _Bucket(torch.zeros(64, device=runtime.device))).wait()
+                hook(hook_state, _Bucket(torch.zeros(64, device=runtime.device))).wait()
         shutdown(runtime)
     return discipline.violations, discipline.calls
 

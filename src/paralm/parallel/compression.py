@@ -1,13 +1,12 @@
-"""Gradient compression for DDP's all-reduce, as DDP communication hooks that count their bytes.
+"""Gradient compression for DDP's all-reduce, as DDP communication hooks.
 
-- none: PyTorch's `allreduce_hook` arithmetic (divide by the ranks, sum each bucket), counted where it is
-  issued, so a DDP step's forward and backward run without the byte counter's per-operator mode
-  (`paralm.parallel.comm_stats`); bitwise what DDP's built-in reducer does.
-- fp16: PyTorch's `fp16_compress_wrapper` around it: buckets travel as fp16.
-- bf16: the same cast to bf16. PyTorch's bf16 hook and wrapper are refused by DDP unless on NCCL,
-  while gloo all-reduces bf16 fine, so the wrapper is our own.
+- none: DDP's built-in reducer (no hook).
+- fp16: PyTorch's `fp16_compress_hook`: buckets travel as fp16.
+- bf16: the same cast to bf16, around PyTorch's `allreduce_hook`. PyTorch's bf16 hook and wrapper are
+  refused by DDP unless on NCCL, while gloo all-reduces bf16 fine, so the cast is our own.
 - powersgd: PyTorch's PowerSGD (Vogels et al. 2019): each gradient matrix is all-reduced as rank-r
-  factors P (n x r) and Q (m x r), with error feedback and warm start; vectors go uncompressed.
+  factors P (n x r) and Q (m x r), with error feedback and warm start; vectors go uncompressed. Its
+  bytes are counted from its own tally (one of its all-reduces is out of the byte counter's reach).
 - topk: each rank sends its k largest-magnitude entries per bucket (k = ceil(ratio x size)) as
   values and indices through one all-gather; what it did not send is added to its next gradient
   (error feedback, Stich et al. 2018), so no update is lost, only delayed.
@@ -19,7 +18,6 @@ after a resume does not misplace them; resuming needs the same rank count (else 
 """
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paralm.config import CommConfig
 from paralm.errors import UserError
 from paralm.parallel.bucket_state import BucketState, Layout, LayoutOf, buffer_layout
-from paralm.parallel.comm_stats import CommStats
+from paralm.parallel.comm_stats import CommStats, counting_on
 from paralm.parallel.sync import SyncStrategy
 
 Future = torch.futures.Future[torch.Tensor]  # DDP checks hooks' annotations at runtime: no string annotations here
@@ -41,7 +39,6 @@ Future = torch.futures.Future[torch.Tensor]  # DDP checks hooks' annotations at 
 @dataclass
 class HookState:
     group: dist.ProcessGroup
-    stats: CommStats
     topk_ratio: float = 0.0
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # top-k error feedback, per bucket
     buckets: BucketState | None = None  # the residuals by parameter, for layout changes and checkpoints
@@ -85,12 +82,16 @@ class CompressedAllReduce(SyncStrategy):
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
 ) -> SyncStrategy:
-    """Install the configured hook; returns the sync strategy that checkpoints the hook's state."""
+    """Install the configured hook; returns the sync strategy that checkpoints the hook's state. `stats`:
+    where PowerSGD's hook counts its bytes while counting is on."""
     if comm.compression == "none":
-        ddp.register_comm_hook(HookState(group, stats), allreduce_hook)
+        return SyncStrategy()
+    if comm.compression in ("fp16", "bf16"):  # stateless casts around PyTorch's all-reduce hook
+        hook = default_hooks.fp16_compress_hook if comm.compression == "fp16" else bf16_cast_hook
+        ddp.register_comm_hook(group, hook)
         return SyncStrategy()
     names = {p.data_ptr(): name for name, p in ddp.module.named_parameters()}
-    state = HookState(group, stats, comm.topk_ratio)
+    state = HookState(group, comm.topk_ratio)
     state.buckets = BucketState({"residual": (state.residuals, buffer_layout(names))})
     if comm.compression == "powersgd":
         psgd = powersgd.PowerSGDState(
@@ -100,36 +101,17 @@ def register_compression(
         )
         tables = {"error": (psgd.error_dict, buffer_layout(names)), "q": (psgd.q_memory_dict, q_layout(names, psgd))}
         state = CountedPowerSGD(psgd, stats, BucketState(tables))
-    hooks: dict[str, Callable] = {
-        "fp16": default_hooks.fp16_compress_wrapper(allreduce_hook),
-        "bf16": bf16_compress_wrapper(allreduce_hook),
-        "powersgd": powersgd_hook,
-        "topk": topk_hook,
-    }
-    ddp.register_comm_hook(state, hooks[comm.compression])
-    if comm.compression in ("fp16", "bf16"):  # stateless casts
-        return SyncStrategy()
+    ddp.register_comm_hook(state, powersgd_hook if comm.compression == "powersgd" else topk_hook)
     device = next(ddp.module.parameters()).device
     return CompressedAllReduce(state, dist.get_rank(group), dist.get_world_size(group), device)
 
 
-def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> Future:
-    """PyTorch's `allreduce_hook` (divide by the group size, then sum), counted."""
-    tensor = bucket.buffer()
-    tensor.div_(dist.get_world_size(state.group))
-    work = state.stats.all_reduce(tensor, state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def bf16_compress_wrapper(hook: Callable) -> Callable:
-    """Run `hook` on the bucket cast to bf16 and copy the result back into the fp32 bucket."""
-
-    def bf16_cast_hook(state: HookState, bucket: dist.GradBucket) -> Future:
-        buffer = bucket.buffer()
-        bucket.set_buffer(buffer.to(torch.bfloat16))
-        return hook(state, bucket).then(lambda fut: buffer.copy_(fut.value()))
-
-    return bf16_cast_hook
+def bf16_cast_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> Future:
+    """PyTorch's `allreduce_hook` on the bucket cast to bf16, copied back into the fp32 bucket. PyTorch's
+    own bf16 hook and wrapper are refused by DDP unless on NCCL (by name: this one must not take theirs)."""
+    buffer = bucket.buffer()
+    bucket.set_buffer(buffer.to(torch.bfloat16))
+    return default_hooks.allreduce_hook(group, bucket).then(lambda fut: buffer.copy_(fut.value()))
 
 
 @dataclass
@@ -166,10 +148,10 @@ def q_layout(names: dict[int, str], psgd: powersgd.PowerSGDState) -> LayoutOf:
 
 
 def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
-    """PyTorch's PowerSGD hook, counted from PowerSGD's own tally of the elements it all-reduces per
-    bucket (uncompressed vectors plus the P and Q factors; before its start step, the bucket): its Q
-    all-reduce runs in a future's callback on the communication thread, out of the byte counter's
-    reach, so the hook runs with the counter paused and counts the tally instead."""
+    """PyTorch's PowerSGD hook; while counting is on, counted from PowerSGD's own tally of the elements it
+    all-reduces per bucket (uncompressed vectors plus the P and Q factors; before its start step, the
+    bucket): its Q all-reduce runs in a future's callback on the communication thread, out of the byte
+    counter's reach, so the hook runs with the counter paused and counts the tally instead."""
     psgd = state.powersgd
     compressing = psgd.iter >= psgd.start_powerSGD_iter
     state.buckets.align(bucket)
@@ -183,6 +165,8 @@ def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
     before = psgd.total_numel_after_compression
     with state.stats.paused():
         future = powersgd.powerSGD_hook(psgd, bucket)
+    if not counting_on():
+        return future
     buffer = bucket.buffer()
     numel = psgd.total_numel_after_compression - before if compressing else buffer.numel()
     size = dist.get_world_size(psgd.process_group)
@@ -206,7 +190,7 @@ def topk_hook(state: HookState, bucket: dist.GradBucket) -> Future:
     packed = torch.cat([buffer[indices], indices.to(torch.int32).view(torch.float32)])
     size = dist.get_world_size(state.group)
     gathered = [torch.empty_like(packed) for _ in range(size)]
-    work = state.stats.all_gather(gathered, packed, state.group, async_op=True)
+    work = dist.all_gather(gathered, packed, group=state.group, async_op=True)
 
     def decompress(fut: Future) -> torch.Tensor:
         buffer.zero_()

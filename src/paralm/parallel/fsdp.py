@@ -14,28 +14,19 @@ compute). The root unit holds the embeddings, the final norm and the tied head.
   of `dp_shard` ranks, replicas of that group all-reduce their gradients.
 Sharded parameters stay fp32 (they are the optimizer's master weights); `MixedPrecisionPolicy`
 gathers them in the compute dtype and reduces gradients in `precision.reduce_dtype`.
-
-Every unit all-gathers and reduce-scatters through `CountedAllGather` / `CountedReduceScatter` (FSDP2's
-custom-collective interfaces): the same `torch.distributed` calls, counted by the rank's `CommStats`,
-so a step needs no per-operator counting mode to see them. HSDP's all-reduce has no such interface;
-the hook FSDP2 calls right after it, with the all-reduced tensor, counts it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from paralm.compat import AllGather, ReduceScatter
 from paralm.config import Config
 from paralm.dtypes import torch_dtype
-from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.runtime import Runtime
 
 
@@ -64,53 +55,10 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, config: Config) -> None:
         "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
     }
     reshard = config.parallel.zero == 3
-    units = [fully_shard(block, reshard_after_forward=reshard, **policy) for block in model.blocks.values()]
-    units.append(fully_shard(model, **policy))  # the root keeps its parameters gathered: backward starts there
-    replicas = runtime.mesh["dp_replicate"].get_group() if runtime.dims.dp_replicate > 1 else None
-    for unit in units:
-        _count_collectives(unit, runtime.comm, replicas)
+    for block in model.blocks.values():
+        fully_shard(block, reshard_after_forward=reshard, **policy)
+    fully_shard(model, **policy)  # the root keeps its parameters gathered: backward starts there
     setattr(model, _EVERY_MICROSTEP, config.parallel.shard_grads_every_microstep)
-
-
-class _Counted:
-    """Buffers from the caching allocator, as FSDP2's default collectives allocate them."""
-
-    def __init__(self, stats: CommStats) -> None:
-        self.stats = stats
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class CountedAllGather(_Counted, AllGather):
-    """FSDP2's all-gather as its default issues it, counted by `stats`."""
-
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
-    ) -> dist.Work | None:
-        return self.stats.all_gather_single(output_tensor, input_tensor, group, async_op)
-
-
-class CountedReduceScatter(_Counted, ReduceScatter):
-    """FSDP2's reduce-scatter as its default issues it, counted by `stats`."""
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        return self.stats.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
-
-
-def _count_collectives(unit: FSDPModule, stats: CommStats, replicas: dist.ProcessGroup | None) -> None:
-    """`replicas`: HSDP's replica group, whose all-reduce FSDP2 issues itself (None without HSDP)."""
-    unit.set_custom_all_gather(CountedAllGather(stats))
-    unit.set_custom_reduce_scatter(CountedReduceScatter(stats))
-    if replicas is not None:
-        unit.set_all_reduce_hook(lambda grads: stats.count_all_reduce_issued_by_torch(grads, replicas))
 
 
 _EVERY_MICROSTEP = "paralm_shard_grads_every_microstep"  # set on the root module by `apply_fsdp`

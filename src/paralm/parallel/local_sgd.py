@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -108,7 +109,7 @@ class ModelAverager(SyncStrategy):
         local = params if self.outer is None else [a - p for a, p in zip(self.anchor, params, strict=True)]
         flat = flatten(local)
         if self.runtime.data_parallel:
-            self.runtime.comm.all_reduce(flat, self.runtime.dp_group)
+            dist.all_reduce(flat, group=self.runtime.dp_group)
             flat.div_(self.runtime.dims.dp)
         mean = unflatten(flat, local)
         if self.outer is not None:

@@ -8,7 +8,6 @@ step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -53,17 +52,10 @@ class ParallelPlan:
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
-        with self.runtime.comm.suspended() if self.collectives_are_ours else contextlib.nullcontext():
-            loss = self.runner.forward_backward(batches, scale)
+        loss = self.runner.forward_backward(batches, scale)
         if self.runtime.dims.tp > 1:
             reduce_partial_gradients(self.model)
         return loss
-
-    @property
-    def collectives_are_ours(self) -> bool:
-        """Forward and backward communicate through paralm's calls only (each counting itself), so
-        they run without the byte counter's per-operator mode (`StepRunner.counts_its_collectives`)."""
-        return self.runner.counts_its_collectives
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
@@ -117,7 +109,7 @@ def _sync_strategy(model: nn.Module, module: nn.Module, runtime: Runtime, config
         return ModelAverager(model, runtime, config.sync)
     if _zero_one(config, runtime):
         replicate = runtime.mesh["dp_replicate"].get_group() if runtime.dims.dp_replicate > 1 else None
-        return ZeroOne(model, runtime.mesh["dp_shard"], replicate, config.comm.bucket_mb, runtime.comm)
+        return ZeroOne(model, runtime.mesh["dp_shard"], replicate, config.comm.bucket_mb)
     if isinstance(module, DistributedDataParallel):  # its gradient hook (compression) may keep state
         return register_compression(module, runtime.dp_group, runtime.comm, config.comm)
     return SyncStrategy()

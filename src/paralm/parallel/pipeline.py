@@ -41,7 +41,6 @@ from paralm.degrees import num_stages, pipeline_microbatches
 from paralm.errors import UserError
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.spec import ModelSpec, PipelineParts
-from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
 from paralm.parallel.step import Batches, LossScale
@@ -82,10 +81,9 @@ class Pipeline(nn.Module):
         self.tied = [[held[n] for n in (source, name) if n in held] for name, source in spec.tied.items()]
         self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last]) if spec.tied else None
         self.stages = [
-            CountedStage(module, s, self.num_stages, runtime.device, group=self.pp_group, stats=runtime.comm)
+            PipelineStage(module, s, self.num_stages, runtime.device, group=self.pp_group)
             for s, module in stage_modules.items()
         ]
-        self.comm, self.initialized = runtime.comm, False
         self.schedule = _build_schedule(config.parallel.pp_schedule, self.stages, self.microbatches, self._loss)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -111,17 +109,8 @@ class Pipeline(nn.Module):
                 )
             for loss in losses:
                 total += local_value(loss.detach())
-            self.initialized = True
         self._sum_tied_grads()
         return total
-
-    @property
-    def counts_its_collectives(self) -> bool:
-        """After the first step, when the schedule has exchanged its stages' shapes (plain objects, which
-        only the byte counter's mode sees), every transfer it issues comes from `CountedStage`; the
-        tied embedding's all-reduce and data parallelism inside the stages count themselves. DTensor
-        (tensor parallelism) communicates from inside torch."""
-        return self.initialized and self.tp == 1
 
     def _sum_tied_grads(self) -> None:
         for params in self.tied:
@@ -130,7 +119,7 @@ class Pipeline(nn.Module):
                 grads[0].add_(grads[1])
                 grads[1].copy_(grads[0])
             elif grads:
-                self.comm.all_reduce(grads[0], group=self.tied_group)
+                dist.all_reduce(grads[0], group=self.tied_group)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -148,31 +137,6 @@ class Pipeline(nn.Module):
             if s + 1 not in self.stage_modules:
                 dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.stage_to_rank[s + 1])
         return None
-
-
-class CountedStage(PipelineStage):
-    """A pipeline stage that counts the transfers the schedule asks it for, as the schedule issues
-    each list it gets (`CommStats.count_p2p_issued_by_torch`; nothing when the mode counts them)."""
-
-    def __init__(self, *args: Any, stats: CommStats, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.stats = stats
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._counted(super().get_fwd_recv_ops(fwd_chunk_id))
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._counted(super().get_bwd_recv_ops(bwd_chunk_id))
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
-
-    def _counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-        self.stats.count_p2p_issued_by_torch(ops)
-        return ops
 
 
 def _grad_like_param(param: nn.Parameter) -> torch.Tensor:

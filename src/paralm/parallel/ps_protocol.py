@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import io
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,8 +103,8 @@ def server_device(sync: SyncConfig, device: torch.device) -> torch.device:
 
 @dataclass
 class Endpoint:
-    """This rank's end of the parameter-server messages, counted in `stats`: headers on `host_group`
-    (gloo), payloads in `device` on `payload_group` (None: the default group)."""
+    """This rank's end of the parameter-server messages, counted in `stats` while counting is on: headers
+    on `host_group` (gloo), payloads in `device` on `payload_group` (None: the default group)."""
 
     stats: CommStats
     device: torch.device
@@ -117,20 +119,41 @@ class Endpoint:
         return cls(stats, device if on_device else torch.device("cpu"), host_group, None if on_device else host_group)
 
     def send(self, dst: int, head: Header, payload: torch.Tensor | None = None, tag: Tag = Tag.HEADER) -> None:
-        self.stats.send(head.to_tensor(), dst, tag, self.host_group)
-        if payload is not None:
-            self.stats.send(payload.to(self.device), dst, Tag.PAYLOAD, self.payload_group)
+        with self.stats.attributing():
+            dist.send(head.to_tensor(), dst, group=self.host_group, tag=tag)
+            if payload is not None:
+                dist.send(payload.to(self.device), dst, group=self.payload_group, tag=Tag.PAYLOAD)
 
     def recv(self, src: int | None, tag: Tag = Tag.HEADER) -> tuple[int, Header]:
         """A header from `src` (from whichever rank sends first when None): (sender, header)."""
         message = torch.empty(len(HEADER_FIELDS), dtype=torch.float64)
-        sender = self.stats.recv(message, src, tag, self.host_group)
+        with self.stats.attributing():
+            sender = dist.recv(message, src, group=self.host_group, tag=tag)
         return sender, Header.from_tensor(message)
 
     def recv_payload(self, src: int, like: list[torch.Tensor]) -> torch.Tensor:
         payload = torch.empty(sum(t.numel() for t in like), dtype=like[0].dtype, device=self.device)
-        self.stats.recv(payload, src, Tag.PAYLOAD, self.payload_group)
+        with self.stats.attributing():
+            dist.recv(payload, src, group=self.payload_group, tag=Tag.PAYLOAD)
         return payload
+
+
+def send_object(obj: Any, dst: int, tag: int, group: dist.ProcessGroup | None) -> None:
+    """A state dict (tensors, numbers, strings), pickled: its length, then its bytes (CPU tensors:
+    `group` must be a gloo group)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group, tag=tag)
+    dist.send(data, dst, group=group, tag=tag)
+
+
+def recv_object(src: int, tag: int, group: dist.ProcessGroup | None) -> Any:
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.recv(length, src, group=group, tag=tag)
+    data = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group, tag=tag)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
 def shard_bounds(sizes: list[int], servers: int) -> list[range]:

@@ -18,10 +18,5 @@ from paralm.parallel.runtime import Runtime
 
 
 def apply_replicate(model: nn.Module, runtime: Runtime) -> nn.Module:
-    """Replicate `model` over the data-parallel ranks in place; its class becomes a `ReplicateModule`.
-    Its gradient all-reduce, which FSDP2 issues itself, is counted by the hook FSDP2 calls after it
-    (outside the byte counter's mode: a pipeline's steps after the first, `Pipeline.counts_its_collectives`)."""
-    replicated = replicate(model, mesh=runtime.dp_mesh)
-    group = runtime.dp_mesh.get_group()
-    replicated.set_all_reduce_hook(lambda grads: runtime.comm.count_all_reduce_issued_by_torch(grads, group))
-    return replicated
+    """Replicate `model` over the data-parallel ranks in place; its class becomes a `ReplicateModule`."""
+    return replicate(model, mesh=runtime.dp_mesh)

@@ -24,12 +24,6 @@ class StepRunner(Protocol):
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None: ...
 
-    @property
-    def counts_its_collectives(self) -> bool:
-        """Whether the next `forward_backward` communicates only through calls that count themselves
-        (`paralm.parallel.comm_stats`), so it may run outside the byte counter's per-operator mode."""
-        ...
-
 
 @dataclass
 class PlainStep:
@@ -50,12 +44,6 @@ class PlainStep:
                 scale(loss).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum
-
-    @property
-    def counts_its_collectives(self) -> bool:
-        """DDP's reducer communicates through our comm hook and FSDP2 through our custom collectives;
-        DTensor (tensor parallelism) from inside torch, which only the mode sees."""
-        return self.tp == 1
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of one batch."""

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.sync import SyncStrategy, TrainingState
 
 
@@ -63,9 +62,8 @@ class ZeroOne(SyncStrategy):
         shard_mesh: DeviceMesh,
         replicate_group: dist.ProcessGroup | None,
         bucket_mb: float,
-        stats: CommStats,
     ) -> None:
-        self.mesh, self.replicate_group, self.stats = shard_mesh, replicate_group, stats
+        self.mesh, self.replicate_group = shard_mesh, replicate_group
         self.ranks, rank = shard_mesh.size(), shard_mesh.get_local_rank()
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -93,12 +91,7 @@ class ZeroOne(SyncStrategy):
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        """Averaged gradient shards onto the shard parameters; the full local gradients are freed. Every
-        collective here counts itself, so the per-parameter work runs without the counter's mode."""
-        with self.stats.suspended():
-            self._reduce_scatter_gradients()
-
-    def _reduce_scatter_gradients(self) -> None:
+        """Averaged gradient shards onto the shard parameters; the full local gradients are freed."""
         for bucket, spans in zip(self.buckets, self.spans, strict=True):
             full = bucket[0].new_empty(self.ranks, spans[-1][1])  # row r: rank r's shards, one after another
             for p, (start, end) in zip(bucket, spans, strict=True):
@@ -106,9 +99,9 @@ class ZeroOne(SyncStrategy):
                 for r in range(self.ranks):
                     _copy_padded(grad[r * self.rows[p] : (r + 1) * self.rows[p]], full[r, start:end])
             mine = full.new_empty(full.shape[1])
-            self.stats.reduce_scatter_single(mine, full.view(-1), dist.ReduceOp.SUM, self.mesh.get_group())
+            dist.reduce_scatter_single(mine, full.view(-1), op=dist.ReduceOp.SUM, group=self.mesh.get_group())
             if self.replicas > 1:
-                self.stats.all_reduce(mine, self.replicate_group)
+                dist.all_reduce(mine, group=self.replicate_group)
             mine /= self.ranks * self.replicas
             for p, (start, end) in zip(bucket, spans, strict=True):
                 local = self.shard_of[p].to_local()
@@ -124,18 +117,14 @@ class ZeroOne(SyncStrategy):
 
     @torch.no_grad()
     def after_step(self, steps_done: int, last: bool) -> None:
-        """Every rank gets the parameters the other ranks updated (without the counter's mode, as above)."""
-        with self.stats.suspended():
-            self._all_gather_parameters()
-
-    def _all_gather_parameters(self) -> None:
+        """Every rank gets the parameters the other ranks updated."""
         rank = self.mesh.get_local_rank()
         for bucket, spans in zip(self.buckets, self.spans, strict=True):
             mine = bucket[0].new_empty(spans[-1][1])
             for p, (start, end) in zip(bucket, spans, strict=True):
                 _copy_padded(self.shard_of[p].to_local(), mine[start:end])
             gathered = mine.new_empty(self.ranks, mine.shape[0])
-            self.stats.all_gather_single(gathered.view(-1), mine, self.mesh.get_group())
+            dist.all_gather_single(gathered.view(-1), mine, group=self.mesh.get_group())
             for p, (start, _) in zip(bucket, spans, strict=True):
                 for r in range(self.ranks):
                     rows = p.detach()[r * self.rows[p] : (r + 1) * self.rows[p]]

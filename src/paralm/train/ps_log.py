@@ -1,8 +1,9 @@
-"""The lead parameter server's metrics: one row per update, with `comm_bytes` = the bytes all ranks
-sent for it (workers report their traffic in their headers, since every worker-server byte has a
-worker at one end, and servers add their server-to-server bytes); `param_bytes` and `grad_bytes` are
-the model states of the largest worker, as its pushes report them. Checkpoint transfers appear in the
-end-of-run summary only; evaluation runs on the workers and the first one reports the loss."""
+"""The lead parameter server's metrics: one row per update, with (while counting, `log.comm_bytes`)
+`comm_bytes` = the bytes all ranks sent for it (workers report their traffic in their headers, since
+every worker-server byte has a worker at one end, and servers add their server-to-server bytes);
+`param_bytes` and `grad_bytes` are the model states of the largest worker, as its pushes report them.
+Checkpoint transfers appear in the end-of-run summary only; evaluation runs on the workers and the
+first one reports the loss."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class ServerLog:
             grad_norm,
             **self.throughput.row(self.update_batch * self.config.model.block_size, step_time),
             samples_seen=self.shard.samples_seen,
-            comm_bytes=traffic,
+            **({"comm_bytes": traffic} if self.config.log.comm_bytes else {}),
             # other servers hold a slice of the same size as this one: the largest peak is a worker's or ours
             peak_mem_bytes=max(self.worker_peak_mem, peak_memory_bytes(self.device)),
             **self.worker_states,
@@ -78,10 +79,14 @@ class ServerLog:
         _, head = self.link.recv(first_worker)
         if head.kind != Kind.REPORT:
             raise RuntimeError(f"parameter server: expected rank {first_worker}'s evaluation report")
-        return {"val_loss": head.val_loss, "traffic": head.traffic + HEADER_BYTES}  # and the report itself
+        # the report itself, and what the workers said since the last row (asynchronous: after the last update)
+        traffic, self.pending_traffic = head.traffic + HEADER_BYTES + self.pending_traffic, 0.0
+        return {"val_loss": head.val_loss, "traffic": traffic}
 
     def write(self, row: dict[str, Any]) -> None:
-        row["comm_bytes"] = int(row.get("comm_bytes", 0) + row.pop("traffic", 0))
+        traffic = row.pop("traffic", 0)
+        if self.config.log.comm_bytes:
+            row["comm_bytes"] = int(row["comm_bytes"] + traffic)
         self.logger.write(row)
         self.logger.progress(row)
 

@@ -50,11 +50,13 @@ class Server:
         if self.log and self.shard.version >= self.config.train.steps:
             self.log.message(f"nothing to do: the checkpoint is at step {self.shard.version}")
         (self._serve_async if self.config.sync.ps_async else self._serve_sync)()
-        self.runtime.comm.sent += self.peers.sent
-        self.runtime.comm.received += self.peers.received
-        steps = self.shard.version - self.first_version
-        run_dir = self.log.run_dir if self.log else None
-        line = self.runtime.comm.summarise(self.runtime.world_size, steps, run_dir, self.runtime.device)
+        line = None
+        if self.config.log.comm_bytes:
+            self.runtime.comm.sent += self.peers.sent
+            self.runtime.comm.received += self.peers.received
+            steps = self.shard.version - self.first_version
+            run_dir = self.log.run_dir if self.log else None
+            line = self.runtime.comm.summarise(self.runtime.world_size, steps, run_dir, self.runtime.device)
         if self.log:
             self.log.close(line)
 
@@ -147,7 +149,6 @@ class Server:
                 active -= 1
         if self.first_version < steps:  # else there was nothing to do
             if self.log:  # with what the workers said after the last update
-                final_row["comm_bytes"] += self.log.pending_traffic
                 self.log.write({**final_row, **self.log.await_report()})
             self._checkpoint()
 

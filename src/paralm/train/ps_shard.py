@@ -17,7 +17,7 @@ from paralm.config import Config
 from paralm.models.registry import model_spec
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.flat import unflatten
-from paralm.parallel.ps_protocol import LEAD, Endpoint, Tag, shard_bounds
+from paralm.parallel.ps_protocol import LEAD, Endpoint, Tag, recv_object, send_object, shard_bounds
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, trainer_state
@@ -55,9 +55,11 @@ class ServerShard:
             self._restore()
             for server in range(1, self.servers):
                 state = {"version": self.version, "samples_seen": self.samples_seen, "optim": self._slice_state(server)}
-                self.peers.send_object(state, server, Tag.STATE, self.host)
+                with self.peers.attributing():
+                    send_object(state, server, Tag.STATE, self.host)
         else:
-            state = self.peers.recv_object(LEAD, Tag.STATE, self.host)
+            with self.peers.attributing():
+                state = recv_object(LEAD, Tag.STATE, self.host)
             self.version, self.samples_seen = state["version"], state["samples_seen"]
             self._set_state(state["optim"])
         self.peers.take_step()  # not synchronisation traffic: in the summary, not in a row
@@ -90,13 +92,13 @@ class ServerShard:
         and returns where."""
         if not self.lead:
             mine = {i: self.params[i].detach() for i in self.bounds[self.runtime.rank]}
-            self.peers.send_object(
-                {"params": mine, "optim": self._slice_state(self.runtime.rank)}, LEAD, Tag.STATE, self.host
-            )
+            with self.peers.attributing():
+                send_object({"params": mine, "optim": self._slice_state(self.runtime.rank)}, LEAD, Tag.STATE, self.host)
             self.peers.take_step()
             return None
         for server in range(1, self.servers):
-            shard = self.peers.recv_object(server, Tag.STATE, self.host)
+            with self.peers.attributing():
+                shard = recv_object(server, Tag.STATE, self.host)
             for index, value in shard["params"].items():
                 self.params[index].copy_(value)
             self._set_state(shard["optim"])
@@ -122,7 +124,8 @@ class ServerShard:
             # on the servers' device group, wherever the slices are held
             squares = (torch.nn.utils.get_total_norm([p.grad for p in self.owned]).float() ** 2).to(self.runtime.device)
             if self.servers > 1:
-                self.peers.all_reduce(squares, self.runtime.group)
+                with self.peers.attributing():
+                    dist.all_reduce(squares, group=self.runtime.group)
             total = squares.sqrt().to(self.device)
             torch.nn.utils.clip_grads_with_norm_(self.owned, clip, total)
             norm = total.item()

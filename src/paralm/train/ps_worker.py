@@ -36,8 +36,8 @@ class Worker:
 
     def work(self) -> None:
         self._work()
-        # collective: the lead server writes it
-        self.runtime.comm.summarise(self.runtime.world_size, 0, None, self.runtime.device)
+        if self.config.log.comm_bytes:  # collective: the lead server writes it
+            self.runtime.comm.summarise(self.runtime.world_size, 0, None, self.runtime.device)
 
     def _work(self) -> None:
         if self.first:  # the servers start from this worker's parameters (initialised, or restored by the Trainer)
@@ -101,8 +101,11 @@ class Worker:
     def report(self, val_loss: float, unreported: int) -> None:
         """After an evaluation (collective over the workers) the first worker sends the loss to the lead
         server, with all workers' traffic with the servers not yet reported. The evaluation's and this
-        sum's collectives are between workers, not an update's: counted apart (`other_bytes`)."""
-        traffic = self.runtime.host_all_reduce(torch.tensor([float(unreported)], dtype=torch.float64))
-        self.runtime.comm.set_aside()
+        sum's collectives are between workers, not an update's: counted apart (`other_bytes`). Without
+        counting (`log.comm_bytes`) there is nothing to sum."""
+        traffic = 0.0
+        if self.config.log.comm_bytes:
+            traffic = self.runtime.host_all_reduce(torch.tensor([float(unreported)], dtype=torch.float64)).item()
+            self.runtime.comm.set_aside()
         if self.first:
-            self.link.send(LEAD, Header(kind=Kind.REPORT, val_loss=val_loss, traffic=traffic.item()))
+            self.link.send(LEAD, Header(kind=Kind.REPORT, val_loss=val_loss, traffic=traffic))

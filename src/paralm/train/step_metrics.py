@@ -39,6 +39,7 @@ class StepMetrics:
     tokens_per_step: int
     loss_divisor: int  # ranks holding a copy of each shard's loss: dp x tp
     every: int  # read back every `every` steps
+    comm_bytes: bool = False  # bytes are counted (`log.comm_bytes`): rows carry them, else none
     _pending: list[_Pending] = field(default_factory=list)
     _window_start: float | None = None
 
@@ -52,9 +53,11 @@ class StepMetrics:
     def add(
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, counters: dict[str, int], **host: Any
     ) -> None:
-        """Record a step without waiting for the device. `counters`: `comm_bytes` (summed over ranks) and
-        the memory figures (maximised), host integers."""
-        on_host = torch.tensor([counters[k] for k in ("comm_bytes", *self.MAXIMA[1:])], dtype=torch.float64)
+        """Record a step without waiting for the device. `counters`: `comm_bytes` (summed over ranks, when
+        counted) and the memory figures (maximised), host integers."""
+        on_host = torch.tensor(
+            [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA[1:])], dtype=torch.float64
+        )
         if self.runtime.device.type == "cuda":
             on_host = on_host.pin_memory()  # a copy from pinned memory does not block the host
         on_host = on_host.to(self.runtime.device, non_blocking=True)
@@ -85,7 +88,7 @@ class StepMetrics:
                     **self.throughput.row(self.tokens_per_step, seconds),
                     **{k: int(v) for k, v in named.items()},
                     **host,
-                    comm_bytes=int(comm_bytes),
+                    **({"comm_bytes": int(comm_bytes)} if self.comm_bytes else {}),
                 )
             )
         self._pending, self._window_start = [], None

@@ -47,7 +47,7 @@ from paralm.train.step_metrics import StepMetrics
 def train(config: Config) -> None:
     runtime = init_runtime(config.parallel, servers=config.sync.servers)
     try:
-        with runtime.counting():  # every collective from here on is counted (paralm.parallel.comm_stats)
+        with runtime.counting(config.log.comm_bytes):  # every collective from here on (paralm.parallel.comm_stats)
             if config.sync.mode == "parameter_server":
                 run_parameter_server(config, runtime, Trainer)
             else:
@@ -99,6 +99,7 @@ class Trainer:
             tokens_per_step=self.layout.global_batch * config.model.block_size,
             loss_divisor=self.layout.dp_size * runtime.dims.tp,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
+            comm_bytes=config.log.comm_bytes,
         )
         self.logger = None
         if runtime.is_main:
@@ -128,7 +129,8 @@ class Trainer:
         )
 
     def fit(self) -> None:
-        with StopSignals() as self.stop, self.runtime.counting():  # SIGINT/SIGTERM: stop after a step all agree on
+        # SIGINT/SIGTERM: stop after a step all agree on
+        with StopSignals() as self.stop, self.runtime.counting(self.config.log.comm_bytes):
             self._fit()
             self.checkpointer.wait()  # the last checkpoint is complete before the job ends
 
@@ -154,11 +156,13 @@ class Trainer:
                 self._log(rows, first)
             if save:
                 self.save()
-        run_dir = self.run_dir if self.logger else None
-        self.runtime.comm.set_aside()  # the last evaluation and checkpoint
-        comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir, self.device)
+        if self.config.log.comm_bytes:
+            self.runtime.comm.set_aside()  # the last evaluation and checkpoint
+            run_dir = self.run_dir if self.logger else None
+            comm = self.runtime.comm.summarise(self.runtime.world_size, self.step - first, run_dir, self.device)
+            if self.logger:
+                self.logger.message(comm)
         if self.logger:
-            self.logger.message(comm)
             self.logger.close()
 
     def _log(self, rows: list[dict[str, Any]], first: int) -> None:
@@ -209,13 +213,9 @@ class Trainer:
         self.plan.sync.after_backward()
         grad_norm = self.plan.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
         bad = self._bad_numbers(grad_norm)
-        # The optimizer step communicates in no layout (strategies exchange in after_backward and
-        # after_step, the loss scaler in unscale_), so it runs outside the byte counter's per-operator
-        # mode: a Python call per operator, ~10% of the tiny model's tensor-parallel step on 2 CPU ranks.
-        with self.runtime.comm.suspended():
-            # fp16: loss_scale, and overflow when the step was skipped
-            scaling = {"skipped": True} if bad else self.scaler.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
+        # fp16: loss_scale, and overflow when the step was skipped
+        scaling = {"skipped": True} if bad else self.scaler.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
         self.bad_steps = self.bad_steps * bad  # in a row
         self.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += self.layout.global_batch
@@ -224,11 +224,9 @@ class Trainer:
                 f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
                 f"{scaling['loss_scale']:g}"
             )
-        counters = {
-            "comm_bytes": self.runtime.comm.take_step()[0],
-            **self.memory.after_step(),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-        }
+        counters = {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)}
+        if self.config.log.comm_bytes:
+            counters["comm_bytes"] = self.runtime.comm.take_step()[0]
         self.metrics.add(self.step, loss_sum, grad_norm, counters, lr=lr, **scaling, samples_seen=self.samples_seen)
         if bad:
             self._report_bad_step(loss_sum, grad_norm)
