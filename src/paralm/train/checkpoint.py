@@ -10,8 +10,9 @@ later (truncated, bit-flipped, half-copied) is detected before anything is read 
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, which speak in terms of the
 unsharded parameter names: a checkpoint written by one layout (DDP, FSDP, 4 ranks) loads into
 another (1 process). What is saved comes from a `Stateful` the parallel plan composes (model,
-optimizer, the sync strategy's own state), so this module never needs to know the strategy. Loading
-unpickles nothing outside an allow-list (`paralm.train.checkpoint_reader`).
+optimizer, the sync strategy's own state), so this module never needs to know the strategy. A resume
+takes the optimizer's state from the checkpoint and its hyperparameters from the config, whatever the
+layout. Loading unpickles nothing outside an allow-list (`paralm.train.checkpoint_reader`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from paralm.train.integrity import MANIFEST_FILE, damage, write_manifest
 STATE_FILE = "trainer_state.json"
 _PREFIX = "step_"
 _PARTIAL = ".partial"
+_PARAM_GROUPS = "param_groups."  # flattened optimizer state: `param_groups.<parameter>.<name>`
 
 
 # A single process saves and loads without a process group, which is what we mean; DCP warns each time.
@@ -270,6 +272,7 @@ def load_checkpoint(
     target = state.state_dict()  # DCP loads into these tensors
     if "sync" in target:  # strategy state another mode did not write starts fresh
         target["sync"] = {key: value for key, value in target["sync"].items() if f"sync.{key}" in saved}
+    hyperparameters = _set_aside_hyperparameters(target)
     try:
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except CheckpointException as e:  # gathered from every rank
@@ -278,5 +281,17 @@ def load_checkpoint(
         raise UserError(
             f"checkpoint {path} cannot be loaded: {_first_line_of_failure(e)}; use another checkpoint"
         ) from None
+    target.get("optim", {}).update(hyperparameters)
     state.load_state_dict(target)
     return progress
+
+
+def _set_aside_hyperparameters(target: dict[str, Any]) -> dict[str, Any]:
+    """Take the optimizer's param-group entries out of the load target and return them.
+
+    They hold the values of the optimizer this run's config built (weight decay, betas, eps, and the
+    kernel its layout allows: fused AdamW takes no mix of DTensors and plain tensors), which a resume
+    keeps: the checkpoint gives state (moments, steps), never hyperparameters. The learning rate is
+    the schedule's, set every step."""
+    optim = target.get("optim", {})
+    return {key: optim.pop(key) for key in [key for key in optim if key.startswith(_PARAM_GROUPS)]}

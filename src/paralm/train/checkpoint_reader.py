@@ -1,12 +1,12 @@
 """How paralm reads a DCP checkpoint without running anything the checkpoint brings.
 
-DCP unpickles `.metadata` with plain `pickle` and every non-tensor entry (`optim.param_groups.*.lr`,
-betas, ...) with `torch.load(weights_only=False)`: a crafted checkpoint could run code. Here
-`.metadata` goes through an unpickler that checks each global's module and name against an
-allow-list *before* looking anything up (nothing is imported: every allowed module is already
-loaded), and non-tensor entries through `torch.load(weights_only=True)`, torch's own allow-list
-unpickler, which also checks names before importing. We keep loading those entries, rather than
-dropping them, because they are plain numbers and flags that `set_state_dict` expects back.
+DCP unpickles `.metadata` with plain `pickle` and every non-tensor entry it loads with
+`torch.load(weights_only=False)`: a crafted checkpoint could run code. Here `.metadata` goes through
+an unpickler that checks each global's module and name against an allow-list *before* looking
+anything up (nothing is imported: every allowed module is already loaded), and non-tensor entries
+through `torch.load(weights_only=True)`, torch's own allow-list unpickler, which also checks names
+before importing. (The optimizer's hyperparameters, `optim.param_groups.*`, are such entries in every
+checkpoint; a resume does not read them at all: they come from the config, `paralm.train.checkpoint`.)
 
 The reader also lets a pipeline's last stage, which holds its own copy of a tied weight (GPT-2's head,
 `ModelSpec.tied`), start from a checkpoint that has optimizer state only for the weight it copies (one
@@ -49,7 +49,7 @@ _OTHER_GLOBALS = frozenset(
 # A pipeline's last stage holds a tied weight's copy under the first name; one process saves its
 # optimizer state under the second. Every family's: an alias applies only where its source is saved.
 TIED_ALIASES = {name: source for spec in FAMILIES.values() for name, source in spec.tied.items()}
-_ALIASED_SECTIONS = ("optim.state.", "optim.param_groups.")
+_ALIASED_SECTION = "optim.state."
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -97,16 +97,15 @@ def _add_tied_aliases(metadata: Metadata) -> None:
     let the copy's name read the source's entries (storage included)."""
     entries = metadata.state_dict_metadata
     for copy, original in TIED_ALIASES.items():
-        for section in _ALIASED_SECTIONS:
-            source, target = section + original + ".", section + copy + "."
-            if any(key.startswith(target) for key in entries):
-                continue
-            for key in [k for k in entries if k.startswith(source)]:
-                entries[target + key[len(source) :]] = entries[key]
-            storage = metadata.storage_data or {}
-            for index in [i for i in storage if i.fqn.startswith(source)]:
-                alias = MetadataIndex(target + index.fqn[len(source) :], index.offset, index.index)
-                storage[alias] = storage[index]
+        source, target = _ALIASED_SECTION + original + ".", _ALIASED_SECTION + copy + "."
+        if any(key.startswith(target) for key in entries):
+            continue
+        for key in [k for k in entries if k.startswith(source)]:
+            entries[target + key[len(source) :]] = entries[key]
+        storage = metadata.storage_data or {}
+        for index in [i for i in storage if i.fqn.startswith(source)]:
+            alias = MetadataIndex(target + index.fqn[len(source) :], index.offset, index.index)
+            storage[alias] = storage[index]
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
