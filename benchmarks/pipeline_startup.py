@@ -42,7 +42,7 @@ def _rank(sections: dict) -> tuple[int, int, int]:
     from paralm.train.trainer import Trainer
 
     config = Config.from_dict(sections)
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status("VmRSS")
     trainer = Trainer(config, runtime)
