@@ -29,7 +29,9 @@ def _train(config):
 
 
 def _run(tmp_path, name, train=None, sync=None):
-    config = tiny_config(tmp_path / name, train={"steps": 4, **(train or {})}, sync=sync or {})
+    config = tiny_config(
+        tmp_path / name, train={"steps": 4, **(train or {})}, sync=sync or {}, log={"comm_bytes": True}
+    )
     run_ranks(_train, 2, tmp_path, config)
     return config
 

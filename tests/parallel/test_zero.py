@@ -133,7 +133,9 @@ def test_zero1_sends_no_more_bytes_than_ddp(tmp_path):
     exactly DDP's ring all-reduce when no dimension needs padding (the tiny model's divide by 2), plus
     its gradient norm over the shards (torch reduces one fp32 scalar per parameter: 8 bytes over 2
     ranks), which DDP computes locally. The previous ZeRO-1 (DDP's all-reduce, then broadcasts) sent more."""
-    runs = [tiny_config(tmp_path / f"zero{stage}", parallel={"zero": stage}) for stage in (0, 1)]
+    runs = [
+        tiny_config(tmp_path / f"zero{stage}", parallel={"zero": stage}, log={"comm_bytes": True}) for stage in (0, 1)
+    ]
     run_ranks(train_and_gather, 2, tmp_path, runs)
     ddp, zero1 = ([row["comm_bytes"] for row in read_metrics(run.run.dir)] for run in runs)
     assert min(ddp) > 0
