@@ -214,7 +214,10 @@ def runs(tmp_path_factory):
         "powersgd": {"compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 2},
         "topk": {"compression": "topk", "topk_ratio": 0.05},
     }
-    configs = {name: tiny_config(root / name, train={"steps": 12}, comm=comm) for name, comm in settings.items()}
+    configs = {
+        name: tiny_config(root / name, train={"steps": 12}, comm=comm, log={"comm_bytes": True})
+        for name, comm in settings.items()
+    }
     for config in configs.values():
         run_ranks(_train, 2, root, config)
     return {name: read_metrics(config.run.dir) for name, config in configs.items()}
