@@ -50,7 +50,7 @@ def warm_trainer(sections: dict[str, Any], warmup_steps: int) -> Iterator[Traine
         config = Config.from_dict(
             {**sections, "run": {"dir": run_dir}, "log": {"tensorboard": False, "progress": False}}
         )
-        runtime = init_runtime(config.parallel)
+        runtime = init_runtime(config.parallel, config.sync)
         trainer = Trainer(config, runtime)
         for _ in range(warmup_steps):
             step(trainer)

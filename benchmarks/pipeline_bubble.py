@@ -73,7 +73,8 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
     from paralm.rules import check_model_parallel
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
-    runtime = init_runtime(Config.from_dict({"parallel": {"pp": pp, "dp": 1}}).parallel)
+    layout = Config.from_dict({"parallel": {"pp": pp, "dp": 1}})
+    runtime = init_runtime(layout.parallel, layout.sync)
     for schedule, chunks in SCHEDULES:
         for m in microbatches:
             raw = {
@@ -97,7 +98,15 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
                 continue
             torch.manual_seed(0)
             spec = model_spec(config.model)
-            pipe = build_pipeline(spec.build(config.model), spec, runtime, config, lambda stage: stage)
+            pipe = build_pipeline(
+                spec.build(config.model),
+                spec,
+                config.model,
+                runtime,
+                config.parallel,
+                config.precision.dtype,
+                lambda stage: stage,
+            )
             busy = [0.0]
             for stage in pipe.stages:
                 for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

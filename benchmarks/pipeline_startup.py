@@ -6,8 +6,7 @@ Each rank of a `pp`-stage job (gloo, forked like the tests' ranks) builds the tr
 parallel wrappers; no optimizer step), and reports the parameter bytes it holds and its peak RSS
 growth during that build (Linux: VmHWM after resetting it, minus VmRSS before). A rank that
 materialised the whole model before pruning it to its stages grows by the whole model's bytes; one
-that cuts its stages on the meta device, by its stages' own. Run it from another checkout
-(`PYTHONPATH=<checkout>/src`) to compare. A vocabulary of 256 keeps the embedding small, so the stages
+that cuts its stages on the meta device, by its stages' own. A vocabulary of 256 keeps the embedding small, so the stages
 are near-equal slices of the blocks.
 """
 
@@ -42,7 +41,7 @@ def _rank(sections: dict) -> tuple[int, int, int]:
     from paralm.train.trainer import Trainer
 
     config = Config.from_dict(sections)
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status("VmRSS")
     trainer = Trainer(config, runtime)

@@ -74,7 +74,8 @@ def worker(tp: int, batch: int) -> None:
     from paralm.parallel.runtime import init_runtime, shutdown
     from paralm.parallel.tensor import apply_tensor_parallel, local_value, loss_context
 
-    runtime = init_runtime(Config.from_dict({"parallel": {"tp": tp, "dp": 1}}).parallel)
+    layout = Config.from_dict({"parallel": {"tp": tp, "dp": 1}})
+    runtime = init_runtime(layout.parallel, layout.sync)
     x = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["block_size"]))
     for sp in (False, True):
         counts = {}

@@ -1,9 +1,12 @@
 """Shared test helpers: a tiny config and reading a run's metrics."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 from paralm.config import Config
+from paralm.parallel.dims import ParallelDims
+from paralm.parallel.runtime import Runtime
 
 
 def tiny_config(run_dir: Path, **sections: dict) -> Config:
@@ -25,6 +28,12 @@ def tiny_config(run_dir: Path, **sections: dict) -> Config:
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return Config.from_dict(raw)
+
+
+def runtime_for(config: Config, runtime: Runtime) -> Runtime:
+    """`runtime`'s process group and mesh with `config`'s dims (ZeRO stage, sync mode, sequence parallelism):
+    tests train several configs of the same degrees on one process group."""
+    return dataclasses.replace(runtime, dims=ParallelDims.from_config(config.parallel, config.sync, runtime.world_size))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if (args.nproc > 1 or args.max_restarts) and not running_under_launcher():
         from paralm.parallel.dims import ParallelDims
 
-        ParallelDims.from_config(config.parallel, args.nproc, config.sync.servers)  # fail before spawning
+        ParallelDims.from_config(config.parallel, config.sync, args.nproc)  # fail before spawning
         return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides], args.max_restarts)
     train(config)
     return 0

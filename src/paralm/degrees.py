@@ -9,13 +9,13 @@ from paralm.config import Config, ParallelConfig
 from paralm.errors import UserError
 
 
-def pipeline_microbatches(config: Config) -> int:
+def pipeline_microbatches(parallel: ParallelConfig) -> int:
     """Micro-batches per pipeline step (`parallel.pp_microbatches`; 0 means one per stage rank)."""
-    return config.parallel.pp_microbatches or config.parallel.pp
+    return parallel.pp_microbatches or parallel.pp
 
 
-def num_stages(config: Config) -> int:
-    return config.parallel.pp * config.parallel.pp_virtual_stages
+def num_stages(parallel: ParallelConfig) -> int:
+    return parallel.pp * parallel.pp_virtual_stages
 
 
 def resolve_data_parallel(parallel: ParallelConfig, world_size: int, servers: int = 0) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paralm.config import CONFIG_FILE, Config, ParallelConfig
+from paralm.config import CONFIG_FILE, Config, ParallelConfig, SyncConfig
 from paralm.data.corpus import default_corpus
 from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
@@ -184,7 +184,7 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
         except RuntimeError as e:
             raise UserError(f"{hf_path / WEIGHTS_FILE}: {str(e).splitlines()[-1].strip()}") from None
         optimizer = _fresh_optimizer_state(model, config)
-        runtime = init_runtime(ParallelConfig())
+        runtime = init_runtime(ParallelConfig(), SyncConfig())
         state = trainer_state(0, 0, config.model.block_size, runtime.world_size)
         save_checkpoint(tmp, 0, TrainingState(model, optimizer, SyncStrategy()), state, config, runtime)
         (tmp / CONFIG_FILE).write_text(config.to_toml())

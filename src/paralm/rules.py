@@ -16,6 +16,7 @@ from pathlib import Path
 from paralm.config import Config
 from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.errors import UserError
+from paralm.parallel.dims import ParallelDims
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 
 
@@ -138,7 +139,7 @@ def check_model_parallel_layout(config: Config) -> None:
         )
     if p.pp == 1:  # the pipeline fields shape nothing then
         return
-    stages = num_stages(config)
+    stages = num_stages(p)
     layout = PIPELINE_SCHEDULES[p.pp_schedule].stages_per_rank
     if layout == "one" and p.pp_virtual_stages != 1:
         others = [s.name for s in PIPELINE_SCHEDULES.values() if s.stages_per_rank != "one"]
@@ -173,7 +174,7 @@ def _check_tensor_parallel(config: Config) -> None:
             f"model.vocab_size = {m.vocab_size} is not divisible by parallel.tp = {p.tp}: "
             f"pad it to a multiple of {p.tp} (a larger vocab_size is allowed)"
         )
-    if p.sequence_parallel and m.block_size % p.tp:
+    if m.block_size % ParallelDims.of_replica(p).seq_divisor:
         raise UserError(
             f"model.block_size = {m.block_size} is not divisible by parallel.tp = {p.tp}, "
             "the number of pieces sequence parallelism cuts the sequence into"
@@ -182,8 +183,8 @@ def _check_tensor_parallel(config: Config) -> None:
 
 def check_microbatches(config: Config) -> None:
     """The pipeline micro-batches: they split the micro-batch, and the schedule runs that many."""
-    p, batch, stages = config.parallel, config.train.micro_batch_size, num_stages(config)
-    n = pipeline_microbatches(config)
+    p, batch, stages = config.parallel, config.train.micro_batch_size, num_stages(config.parallel)
+    n = pipeline_microbatches(p)
     if batch % n:
         raise UserError(
             f"parallel.pp_microbatches = {n} does not divide train.micro_batch_size = {batch}, "

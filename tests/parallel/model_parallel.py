@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from paralm.config import Config
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
 from paralm.train.trainer import Trainer
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, runtime_for
 
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -25,17 +25,17 @@ def one_step(config: Config, runtime: Runtime) -> tuple[float, dict[str, torch.T
     """The first step's global-batch loss and this rank's gradients, without updating anything."""
     trainer = Trainer(config, runtime)
     loss = trainer.forward_backward(trainer.micro_batches())
-    loss = runtime.all_reduce(loss) / (runtime.dims.dp * runtime.dims.tp)
+    loss = runtime.all_reduce(loss) / runtime.dims.loss_replicas
     return loss.item(), full_gradients(trainer.model)
 
 
 def gradients_then_training(configs: list[Config]) -> list[tuple[float, dict[str, torch.Tensor]]]:
     """For each config (all with the same degrees): one step's loss and gradients, then a full run."""
-    runtime = init_runtime(configs[0].parallel)
+    runtime = init_runtime(configs[0].parallel, configs[0].sync)
     results = []
     for config in configs:
-        results.append(one_step(config, runtime))
-        train_on(config, runtime)
+        results.append(one_step(config, runtime_for(config, runtime)))
+        train_on(config, runtime_for(config, runtime))
     shutdown(runtime)
     return results
 
@@ -46,9 +46,9 @@ def train_on(config: Config, runtime: Runtime) -> None:
 
 def train_each(configs: list[Config]) -> None:
     """Run the configs (all with the same degrees) one after the other in one process group."""
-    runtime = init_runtime(configs[0].parallel)
+    runtime = init_runtime(configs[0].parallel, configs[0].sync)
     for config in configs:
-        train_on(config, runtime)
+        train_on(config, runtime_for(config, runtime))
     shutdown(runtime)
 
 

@@ -22,7 +22,7 @@ def _trainer(tmp_path, mode: str) -> Trainer:
         model={"n_layer": 4, "dropout": 0.1},
         train={"activation_checkpointing": mode, **MODES[mode]},
     )
-    return Trainer(config, init_runtime(config.parallel))
+    return Trainer(config, init_runtime(config.parallel, config.sync))
 
 
 def _loss_and_grads(trainer: Trainer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -63,7 +63,7 @@ def _compressed(config, runtime, rank_batch, compression, passes=1, **comm) -> t
 
 
 def _hooks(config):
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     generator = torch.Generator().manual_seed(runtime.rank)  # each rank its own batch
     rank_batch = [
         torch.randint(0, config.model.vocab_size, (4, config.model.block_size), generator=generator) for _ in range(2)
@@ -109,7 +109,7 @@ def _error_feedback(config, runtime, compression, passes=5, **comm):
 
 
 def _both_error_feedbacks(config):
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     results = {
         "topk": _error_feedback(config, runtime, "topk", topk_ratio=0.01),
         "powersgd": _error_feedback(config, runtime, "powersgd", powersgd_rank=2, powersgd_start_step=2),

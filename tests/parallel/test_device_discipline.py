@@ -172,7 +172,7 @@ def _hooks(config):
     from paralm.parallel.runtime import init_runtime, shutdown
 
     with Discipline().active() as discipline:
-        runtime = init_runtime(config.parallel)
+        runtime = init_runtime(config.parallel, config.sync)
         state = compression.HookState(None, topk_ratio=0.25)
         one_parameter = lambda bucket: ([("weight", 0, 64)], 64)  # noqa: E731 - the bucket holds one 64-entry gradient
         state.buckets = BucketState({"residual": (state.residuals, one_parameter)})

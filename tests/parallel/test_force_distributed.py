@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _fit(config):
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
     trainer.fit()
     wrapped = {
@@ -45,4 +45,5 @@ def test_one_rank_takes_the_distributed_path_and_trains_the_same(tmp_path, zero,
 def test_forcing_without_a_launcher_is_a_user_error(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(UserError, match="parallel.force_distributed"):
-        init_runtime(tiny_config(".", parallel={"force_distributed": True}).parallel)
+        config = tiny_config(".", parallel={"force_distributed": True})
+        init_runtime(config.parallel, config.sync)

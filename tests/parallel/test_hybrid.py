@@ -22,7 +22,7 @@ from tests.parallel.model_parallel import (
 
 def _check(tmp_path, world, parallel, dp=2, steps=5):
     reference = tiny_config(tmp_path / "single", train={"micro_batch_size": 8, "steps": steps})
-    loss, grads = one_step(reference, init_runtime(reference.parallel))
+    loss, grads = one_step(reference, init_runtime(reference.parallel, reference.sync))
     train(reference)
     config = tiny_config(tmp_path / "hybrid", train={"micro_batch_size": 8 // dp, "steps": steps}, parallel=parallel)
     per_rank = run_ranks(gradients_then_training, world, tmp_path, [config])

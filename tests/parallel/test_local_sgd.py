@@ -80,7 +80,7 @@ def test_diloco_with_plain_outer_step_equals_local_sgd(tmp_path):
 
 
 def _replicas(config):
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
     snapshots = []
     while trainer.step < config.train.steps:

@@ -21,7 +21,7 @@ from tests.multiprocess import run_ranks
 
 def materialised(config: Config) -> tuple[dict[str, torch.Tensor], int]:
     """The full initial weights of the trainer's meta-device path, and how many elements this rank holds."""
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     with torch.device("meta"):
         model = GPT(config.model)
     parallelize(model, runtime, config)

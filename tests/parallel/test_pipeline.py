@@ -33,7 +33,7 @@ PP2_SCHEDULES = [(name, fewest_stages_per_rank(name)) for name in PIPELINE_SCHED
 
 def _reference(tmp_path, n_layer):
     config = tiny_config(tmp_path / f"single{n_layer}", model={"n_layer": n_layer})
-    loss, grads = one_step(config, init_runtime(config.parallel))
+    loss, grads = one_step(config, init_runtime(config.parallel, config.sync))
     train(config)
     return config, loss, grads
 
@@ -75,7 +75,7 @@ def _held_parameters(config):
         allocated.append(sum(p.numel() for p in module.parameters() if p.is_meta))
         return to_empty(module, *args, **kwargs)
 
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     with mock.patch.object(torch.nn.Module, "to_empty", counting_to_empty):
         trainer = Trainer(config, runtime)
     held = {name: p.numel() for name, p in trainer.model.named_parameters()}

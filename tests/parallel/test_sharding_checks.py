@@ -40,7 +40,7 @@ def test_config_errors_name_the_field(overrides, field):
 def test_degrees_are_checked_against_the_world_size(world_size, overrides, fields):
     config = load_config(None, overrides)
     with pytest.raises(UserError, match=fields):
-        ParallelDims.from_config(config.parallel, world_size)
+        ParallelDims.from_config(config.parallel, config.sync, world_size)
 
 
 def test_the_command_line_reports_a_bad_layout_in_one_line_before_starting_workers(tmp_path):

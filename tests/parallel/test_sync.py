@@ -36,7 +36,7 @@ def _state(config, sync: SyncStrategy):
 
 def test_strategy_state_is_saved_and_restored(tmp_path):
     config = tiny_config(tmp_path / "run")
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     saving = CountingSync()
     model, state = _state(config, saving)
     saving.after_step(3, last=False)

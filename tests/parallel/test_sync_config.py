@@ -3,7 +3,7 @@
 import pytest
 
 from paralm.cli import main
-from paralm.config import ParallelConfig
+from paralm.config import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
@@ -29,9 +29,9 @@ def test_impossible_settings_are_user_errors(overrides, fragment):
 
 
 def test_servers_stand_outside_the_data_parallel_degree():
-    assert ParallelDims.from_config(ParallelConfig(), 3, servers=1).dp == 2
+    assert ParallelDims.from_config(ParallelConfig(), SyncConfig(mode="parameter_server", ps_servers=1), 3).dp == 2
     with pytest.raises(UserError, match="sync.ps_servers = 2 leaves no worker"):
-        ParallelDims.from_config(ParallelConfig(), 2, servers=2)
+        ParallelDims.from_config(ParallelConfig(), SyncConfig(mode="parameter_server", ps_servers=2), 2)
 
 
 def test_too_many_servers_fail_before_any_process_starts(capsys):

@@ -12,21 +12,21 @@ from torch.distributed.tensor import DTensor, Shard
 
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer, train
-from tests.helpers import tiny_config
+from tests.helpers import runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, one_step
 
 
 def _reference(tmp_path):
     config = tiny_config(tmp_path / "single")
-    loss, grads = one_step(config, init_runtime(config.parallel))
+    loss, grads = one_step(config, init_runtime(config.parallel, config.sync))
     train(config)
     return config, loss, grads
 
 
 def _shards_gradients_and_training(configs):
     """How the first config lays out logits and weights, then gradients and training for each config."""
-    runtime = init_runtime(configs[0].parallel)
+    runtime = init_runtime(configs[0].parallel, configs[0].sync)
     trainer = Trainer(configs[0], runtime)
     logits = trainer.train_module(trainer.micro_batches()[0][0])
     layout = {
@@ -35,11 +35,11 @@ def _shards_gradients_and_training(configs):
         "local_weights": {n: tuple(p.to_local().shape) for n, p in trainer.model.named_parameters() if "attn" in n},
         "tied": trainer.model.lm_head.weight is trainer.model.wte.weight,
     }
-    layout["partial_gradients"] = [_partial_gradients(config, runtime) for config in configs]
+    layout["partial_gradients"] = [_partial_gradients(config, runtime_for(config, runtime)) for config in configs]
     results = []
     for config in configs:
-        results.append(one_step(config, runtime))
-        Trainer(config, runtime).fit()
+        results.append(one_step(config, runtime_for(config, runtime)))
+        Trainer(config, runtime_for(config, runtime)).fit()
     shutdown(runtime)
     return layout, results
 

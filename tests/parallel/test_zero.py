@@ -27,7 +27,7 @@ from paralm.models.loss import cross_entropy_loss
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
-from tests.helpers import read_metrics, tiny_config
+from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 
 GLOBAL_BATCH = 8
@@ -61,10 +61,10 @@ LAYOUTS = {  # name: (ranks, parallel section, train section)
 
 def train_and_gather(configs: list[Config]) -> list[dict[str, torch.Tensor]]:
     """Train each config in turn on these ranks; return each run's final weights, unsharded."""
-    runtime = init_runtime(configs[0].parallel)
+    runtime = init_runtime(configs[0].parallel, configs[0].sync)
     weights = []
     for config in configs:
-        trainer = Trainer(config, runtime)
+        trainer = Trainer(config, runtime_for(config, runtime))
         trainer.fit()
         full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
         weights.append({name: tensor.detach().clone() for name, tensor in full.items()})
@@ -145,10 +145,10 @@ def test_zero1_sends_no_more_bytes_than_ddp(tmp_path):
 
 def grads_after_unsynced_microstep(configs: list[Config]) -> list[bool]:
     """For each config: does a micro-step before the last leave (sharded) gradients on the parameters?"""
-    runtime = init_runtime(configs[0].parallel)
+    runtime = init_runtime(configs[0].parallel, configs[0].sync)
     held = []
     for config in configs:
-        trainer = Trainer(config, runtime)
+        trainer = Trainer(config, runtime_for(config, runtime))
         x, y = trainer.micro_batches()[0]
         with gradient_sync(trainer.plan.module, sync=False):
             cross_entropy_loss(trainer.plan.module(x), y).backward()

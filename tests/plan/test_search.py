@@ -79,7 +79,7 @@ def test_every_layout_is_a_config_paralm_accepts(tmp_path) -> None:
         load_config(path)
     path.write_text(plans[0].layout.apply_to(config).to_toml())
     written = load_config(path)
-    dims = ParallelDims.from_config(written.parallel, 64)
+    dims = ParallelDims.from_config(written.parallel, written.sync, 64)
     lay = plans[0].layout
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp)
     assert written.train.micro_batch_size * written.train.grad_accum * dims.dp == 128

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paralm.config import ParallelConfig
+from paralm.config import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.parallel.runtime import init_runtime
 from paralm.train import trainer
@@ -70,7 +70,7 @@ def test_every_local_sgd_replica_skips_the_step_one_replica_found_bad(tmp_path):
 
 def _wait_for_a_dead_peer(timeout_s):
     """Rank 1 never joins rank 0's all-reduce: rank 0's collective fails after `parallel.timeout_s`."""
-    runtime = init_runtime(ParallelConfig(timeout_s=timeout_s))
+    runtime = init_runtime(ParallelConfig(timeout_s=timeout_s), SyncConfig())
     if runtime.rank == 1:
         time.sleep(4 * timeout_s)  # hung
         return "hung"

@@ -20,7 +20,7 @@ def _train(config):
 
 
 def _gradients(config):
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
     loss = trainer.forward_backward(trainer.micro_batches())
     grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}

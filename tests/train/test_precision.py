@@ -38,7 +38,7 @@ def _step(trainer: Trainer, poison: bool) -> dict:
 def overflow_run(config, poisoned_rank: int) -> list[tuple[dict, bool]]:
     """Three fp16 steps, the middle one overflowing on `poisoned_rank`: each step's row, and whether
     this rank's weights changed."""
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
     results = []
     for step in range(3):

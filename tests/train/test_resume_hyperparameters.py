@@ -39,7 +39,7 @@ def _step(model: GPT, optimizer: torch.optim.Optimizer) -> None:
 
 def test_loading_keeps_the_checkpoints_state_and_the_new_optimizers_hyperparameters(tmp_path):
     config = tiny_config(tmp_path / "run")
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     torch.manual_seed(0)
     written = GPT(config.model)
     old = _adamw(written, weight_decay=0.3, betas=(0.8, 0.9), eps=1e-6, foreach=True)
@@ -66,7 +66,7 @@ def test_loading_keeps_the_checkpoints_state_and_the_new_optimizers_hyperparamet
 
 def _resume(config) -> list[dict]:
     """Resume and train; returns the optimizer's param groups (rank 0's) as the restore left them."""
-    runtime = init_runtime(config.parallel)
+    runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
     trainer.fit()

@@ -108,7 +108,7 @@ def compare(
     shared = shared_overrides(config, nproc, overrides)
     for layout in layouts:  # every layout's config is checked before the first one trains
         loaded = load_config(config, [*shared, *layout.args])
-        ParallelDims.from_config(loaded.parallel, nproc, loaded.sync.servers)
+        ParallelDims.from_config(loaded.parallel, loaded.sync, nproc)
     config_args = ["--config", config] if config else []
     out.mkdir(parents=True, exist_ok=True)
     summary, histories = [], {}

@@ -25,40 +25,36 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from paralm.config import Config
+from paralm.config import ParallelConfig, PrecisionConfig
 from paralm.dtypes import torch_dtype
 from paralm.parallel.runtime import Runtime
 
 
-def uses_fsdp(zero: int, data_parallel: bool) -> bool:
-    """ZeRO-2 and 3 shard through FSDP whenever there are data-parallel ranks (`Runtime.data_parallel`)."""
-    return zero >= 2 and data_parallel
-
-
 def fsdp_mesh(runtime: Runtime) -> DeviceMesh:
     """1-D (dp_shard) mesh, or 2-D (dp_replicate, dp_shard) for hybrid sharding."""
-    if runtime.dims.dp_replicate > 1:
+    if runtime.dims.dp_replicate_enabled:
         return runtime.mesh["dp_replicate", "dp_shard"]
     return runtime.mesh["dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, runtime: Runtime, config: Config) -> None:
-    """Shard `model` in place (its class becomes an `FSDPModule`); works on meta-device models."""
-    compute = config.precision.dtype
-    offload = config.parallel.cpu_offload
+def apply_fsdp(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
+    """Shard `model` in place (its class becomes an `FSDPModule`) at the ZeRO stage of `runtime.dims`;
+    works on meta-device models."""
+    compute = precision.dtype
+    offload = parallel.cpu_offload
     policy = {
         "mesh": fsdp_mesh(runtime),
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=None if compute == "fp32" else torch_dtype(compute),
-            reduce_dtype=torch_dtype(config.precision.reduce_dtype),
+            reduce_dtype=torch_dtype(precision.reduce_dtype),
         ),
         "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
     }
-    reshard = config.parallel.zero == 3
+    reshard = runtime.dims.zero == 3
     for block in model.blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **policy)
     fully_shard(model, **policy)  # the root keeps its parameters gathered: backward starts there
-    setattr(model, _EVERY_MICROSTEP, config.parallel.shard_grads_every_microstep)
+    setattr(model, _EVERY_MICROSTEP, parallel.shard_grads_every_microstep)
 
 
 _EVERY_MICROSTEP = "paralm_shard_grads_every_microstep"  # set on the root module by `apply_fsdp`

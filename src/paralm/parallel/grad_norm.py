@@ -23,7 +23,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, runtime: Runtime, copies:
       a tied weight's copy (`copies`: the names of `ModelSpec.tied`) is counted once, as its source.
     The result is the same on every rank, hence the same clipping everywhere.
     """
-    pipelined = runtime.dims.pp > 1
+    pipelined = runtime.dims.pp_enabled
     groups: dict[object, list[tuple[str, nn.Parameter]]] = {}  # by DTensor mesh: torch's norm does not mix them
     for name, param in model.named_parameters():
         if param.grad is not None:

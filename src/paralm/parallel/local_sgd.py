@@ -108,7 +108,7 @@ class ModelAverager(SyncStrategy):
         params = [p.detach() for p in self.params]
         local = params if self.outer is None else [a - p for a, p in zip(self.anchor, params, strict=True)]
         flat = flatten(local)
-        if self.runtime.data_parallel:
+        if self.runtime.dims.dp_enabled:
             dist.all_reduce(flat, group=self.runtime.dp_group)
             flat.div_(self.runtime.dims.dp)
         mean = unflatten(flat, local)

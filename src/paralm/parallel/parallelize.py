@@ -8,6 +8,7 @@ step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +17,13 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
-from paralm.config import Config
+from paralm.config import CommConfig, Config, SyncConfig
 from paralm.models.registry import model_spec
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
-from paralm.parallel.fsdp import apply_fsdp, uses_fsdp
-from paralm.parallel.grad_norm import clip_grad_norm_
+from paralm.parallel.fsdp import apply_fsdp
 from paralm.parallel.local_sgd import ModelAverager
 from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
@@ -46,14 +46,14 @@ class ParallelPlan:
     runner: StepRunner
     sync: SyncStrategy
     runtime: Runtime
-    config: Config
-    zero_stage: int  # the ZeRO stage in effect (0 with a single data-parallel shard)
+    straggler: SyncConfig  # who sleeps in `before_step`, and how long
+    tied: Collection[str]  # the copies of tied weights (`ModelSpec.tied`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
         loss = self.runner.forward_backward(batches, scale)
-        if self.runtime.dims.tp > 1:
+        if self.runtime.dims.tp_enabled:
             reduce_partial_gradients(self.model)
         return loss
 
@@ -71,80 +71,69 @@ class ParallelPlan:
     def before_step(self, seed: int, step: int) -> None:
         """The straggler sleeps (if one is configured); dropout is reseeded from (seed, step, rank)
         with tensor-parallel ranks of one replica drawing the same masks."""
-        straggle(self.config.sync, self.runtime.rank)
+        straggle(self.straggler, self.runtime.rank)
         rank = dropout_rank(self.runtime.rank, self.runtime.dims.tp)
         torch.manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        if isinstance(self.sync, ZeroOne):  # the gradients live on its shards by now
-            return self.sync.clip_grad_norm_(max_norm)
-        return clip_grad_norm_(self.model, max_norm, self.runtime, model_spec(self.config.model).tied.keys())
+        """Clip where the sync strategy holds the gradients by now (ZeRO-1: on its shards)."""
+        return self.sync.clip_grad_norm_(self.model, max_norm, self.runtime, self.tied)
 
 
 def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelPlan:
     """Parallelize `model` in place (its parameters are the ones that train) and compose the step.
 
-    With pp > 1, `model` is pruned to this rank's stages, run by a `Pipeline`.
+    With pp > 1, `model` is pruned to this rank's stages, run by a `Pipeline`. The one place that reads
+    the whole config: each strategy gets the sections it needs and asks `runtime.dims` the rest.
     """
-    if runtime.dims.pp > 1:  # stages are cut on the meta device, each materialised by `parallelize_stage`
+    dims, spec, dtype = runtime.dims, model_spec(config.model), config.precision.dtype
+    if dims.pp_enabled:  # stages are cut on the meta device, each materialised by `parallelize_stage`
         stage = lambda part: parallelize_stage(part, runtime, config)  # noqa: E731
-        module = runner = build_pipeline(model, model_spec(config.model), runtime, config, stage)
+        module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, stage)
     else:
         module = parallelize_stage(model, runtime, config)
-        runner = PlainStep(module, runtime.device, config.precision.dtype, runtime.dims.tp)
+        runner = PlainStep(module, runtime.device, dtype, dims.tp)
     return ParallelPlan(
         model=model,
         module=module,
         runner=runner,
-        sync=_sync_strategy(model, module, runtime, config),
+        sync=_sync_strategy(model, module, runtime, config.comm, config.sync),
         runtime=runtime,
-        config=config,
-        zero_stage=config.parallel.zero if runtime.dims.dp_shard > 1 or runtime.forced else 0,
-        scaler_group=runtime.dp_group if shards_gradients(config, runtime) else None,
+        straggler=config.sync,
+        tied=tuple(spec.tied),
+        scaler_group=runtime.dp_group if dims.shards_gradients else None,
     )
 
 
-def _sync_strategy(model: nn.Module, module: nn.Module, runtime: Runtime, config: Config) -> SyncStrategy:
-    if config.sync.mode in ("local_sgd", "diloco"):
-        return ModelAverager(model, runtime, config.sync)
-    if _zero_one(config, runtime):
-        replicate = runtime.mesh["dp_replicate"].get_group() if runtime.dims.dp_replicate > 1 else None
-        return ZeroOne(model, runtime.mesh["dp_shard"], replicate, config.comm.bucket_mb)
+def _sync_strategy(
+    model: nn.Module, module: nn.Module, runtime: Runtime, comm: CommConfig, sync: SyncConfig
+) -> SyncStrategy:
+    dims = runtime.dims
+    if dims.averaging_enabled:
+        return ModelAverager(model, runtime, sync)
+    if dims.zero1_enabled:
+        replicate = runtime.mesh["dp_replicate"].get_group() if dims.dp_replicate_enabled else None
+        return ZeroOne(model, runtime.mesh["dp_shard"], replicate, comm.bucket_mb)
     if isinstance(module, DistributedDataParallel):  # its gradient hook (compression) may keep state
-        return register_compression(module, runtime.dp_group, runtime.comm, config.comm)
+        return register_compression(module, runtime.dp_group, runtime.comm, comm)
     return SyncStrategy()
-
-
-def _zero_one(config: Config, runtime: Runtime) -> bool:
-    return config.parallel.zero == 1 and runtime.data_parallel and config.sync.mode == "allreduce"
-
-
-def shards_gradients(config: Config, runtime: Runtime) -> bool:
-    """Each rank ends a step with a shard of the gradients (FSDP, ZeRO-1), so overflow checks must agree."""
-    return uses_fsdp(config.parallel.zero, runtime.data_parallel) or _zero_one(config, runtime)
 
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
-    if runtime.dims.tp > 1:
-        apply_tensor_parallel(model, model_spec(config.model), runtime.mesh["tp"], config.parallel.sequence_parallel)
+    dims = runtime.dims
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, model_spec(config.model), runtime.mesh["tp"], dims.sequence_parallel)
     apply_activation_checkpointing(model, config.train)
     if config.train.compile:
         check_compile(config, runtime.device.type)
         apply_compile(model)
-    fsdp = uses_fsdp(config.parallel.zero, runtime.data_parallel)
-    if fsdp:
-        apply_fsdp(model, runtime, config)  # ZeRO-2/3 (ZeRO-1 syncs after backward: paralm.parallel.zero1)
-    _materialize(model, runtime, config)  # after sharding, so each rank allocates only its shards
-    if runtime.data_parallel and not fsdp and not _zero_one(config, runtime) and config.sync.mode == "allreduce":
-        # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
-        if runtime.dims.tp > 1 or runtime.dims.pp > 1:
+    if dims.fsdp_enabled:
+        apply_fsdp(model, runtime, config.parallel, config.precision)  # ZeRO-2/3 (ZeRO-1: paralm.parallel.zero1)
+    if has_meta_tensors(model):  # after sharding, so each rank allocates only its shards of the initial weights
+        materialize(model, runtime.device, config.train.seed, offload=config.parallel.cpu_offload)
+    if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
+        if dims.tp_enabled or dims.pp_enabled:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
         return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `_sync_strategy`
     return model
-
-
-def _materialize(model: nn.Module, runtime: Runtime, config: Config) -> None:
-    """A model built on the meta device gets this rank's shards of its initial weights (a no-op otherwise)."""
-    if has_meta_tensors(model):
-        materialize(model, runtime.device, config.train.seed, offload=config.parallel.cpu_offload)

@@ -36,9 +36,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
-from paralm.config import Config
+from paralm.config import ParallelConfig
 from paralm.degrees import num_stages, pipeline_microbatches
 from paralm.errors import UserError
+from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.spec import ModelSpec, PipelineParts
 from paralm.parallel.runtime import Runtime
@@ -62,18 +63,19 @@ class Pipeline(nn.Module):
         stage_modules: dict[int, nn.Module],
         stage_to_rank: dict[int, int],
         runtime: Runtime,
-        config: Config,
+        parallel: ParallelConfig,
+        d_model: int,
     ) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
         self.stage_modules, self.stage_to_rank = stage_modules, stage_to_rank
         self.num_stages = len(stage_to_rank)
-        self.tp, self.sequence_parallel = runtime.dims.tp, config.parallel.sequence_parallel
-        self.d_model = config.model.d_model
+        self.tp, self.seq_divisor = runtime.dims.tp, runtime.dims.seq_divisor
+        self.d_model = d_model  # of the activations passed between stages
         pp_mesh = runtime.mesh["pp"]
         self.pp_group = pp_mesh.get_group()
-        self.microbatches = pipeline_microbatches(config)
+        self.microbatches = pipeline_microbatches(parallel)
         self._loss_divisor = self.microbatches
         last = self.num_stages - 1
         self.has_first, self.has_last = 0 in stage_modules, last in stage_modules
@@ -84,7 +86,7 @@ class Pipeline(nn.Module):
             PipelineStage(module, s, self.num_stages, runtime.device, group=self.pp_group)
             for s, module in stage_modules.items()
         ]
-        self.schedule = _build_schedule(config.parallel.pp_schedule, self.stages, self.microbatches, self._loss)
+        self.schedule = _build_schedule(parallel.pp_schedule, self.stages, self.microbatches, self._loss)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits, targets) / self._loss_divisor
@@ -127,8 +129,7 @@ class Pipeline(nn.Module):
         hidden = x
         for s, module in sorted(self.stage_modules.items()):
             if s > 0 and s - 1 not in self.stage_modules:
-                seq = x.shape[1] // self.tp if self.sequence_parallel else x.shape[1]
-                hidden = torch.empty(x.shape[0], seq, self.d_model, device=x.device)
+                hidden = torch.empty(x.shape[0], x.shape[1] // self.seq_divisor, self.d_model, device=x.device)
                 dist.recv(hidden, group=self.pp_group, group_src=self.stage_to_rank[s - 1])
             with loss_context(self.tp):
                 hidden = module(hidden)
@@ -182,14 +183,21 @@ def stage_to_rank(pp: int, stages: int, v_shape: bool) -> dict[int, int]:
 
 
 def build_pipeline(
-    model: nn.Module, spec: ModelSpec, runtime: Runtime, config: Config, parallelize_stage: StageParallelizer
+    model: nn.Module,
+    spec: ModelSpec,
+    model_config: ModelConfig,
+    runtime: Runtime,
+    parallel: ParallelConfig,
+    dtype: str,
+    parallelize_stage: StageParallelizer,
 ) -> Pipeline:
     """Cut this rank's stages from `model` (on the meta device), log the split, keep in `model` only what
-    the stages hold, parallelize (and so materialise) each stage and hand them to the schedule."""
-    p = config.parallel
-    total = num_stages(config)
+    the stages hold, parallelize (and so materialise) each stage and hand them to the schedule, which
+    runs each stage's forward in the compute `dtype`."""
+    p = parallel
+    total = num_stages(p)
     ranks = stage_to_rank(p.pp, total, v_shape=PIPELINE_SCHEDULES[p.pp_schedule].stages_per_rank == "v")
-    split = stage_split(spec.shape(config.model), total, p.pp_split)
+    split = stage_split(spec.shape(model_config), total, p.pp_split)
     if runtime.is_main:
         print(split.describe(ranks), file=sys.stderr, flush=True)
     pp_rank = runtime.mesh["pp"].get_local_rank()
@@ -199,9 +207,8 @@ def build_pipeline(
         if ranks[s] == pp_rank
     }
     _keep_stages(model, spec.pipeline, stages.values())
-    stage_modules = {s: _autocast_forward(parallelize_stage(stage), runtime.device, config.precision.dtype)
-                     for s, stage in stages.items()}  # fmt: skip
-    return Pipeline(model, spec, stage_modules, ranks, runtime, config)
+    stage_modules = {s: _autocast_forward(parallelize_stage(part), runtime.device, dtype) for s, part in stages.items()}
+    return Pipeline(model, spec, stage_modules, ranks, runtime, p, model_config.d_model)
 
 
 def _cut_stage(model: nn.Module, parts: PipelineParts, layers: range, first: bool, last: bool) -> nn.Module:

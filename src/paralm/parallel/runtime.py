@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paralm.compat import flatten_mesh
-from paralm.config import ParallelConfig
+from paralm.config import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.dims import MESH_DIMS, ParallelDims
@@ -39,7 +39,6 @@ class Runtime:
     # the ranks that step together (`group`'s ranks); None for a single process
     host_group: dist.ProcessGroup | None = None
     host_step_group: dist.ProcessGroup | None = None
-    forced: bool = False  # `parallel.force_distributed`: one rank taking the distributed code paths
 
     @property
     def is_main(self) -> bool:
@@ -51,18 +50,13 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1 or self.forced
+        return self.world_size > 1 or self.dims.forced
 
     def counting(self, on: bool) -> contextlib.AbstractContextManager:
         """Count this rank's collectives (`CommStats.counting`) when asked (`log.comm_bytes`) and there are
         any (one process issues none): a dispatch mode that sees every operator, in Python (12-18% of a
         small model's step on a CPU), so nothing is entered otherwise."""
         return self.comm.counting() if on and self.distributed else contextlib.nullcontext()
-
-    @property
-    def data_parallel(self) -> bool:
-        """Replicas sync through DDP, FSDP or averaging: with several, or one forced to (NCCL checks on one GPU)."""
-        return self.dims.dp > 1 or self.forced
 
     @property
     def dp_rank(self) -> int:
@@ -107,24 +101,24 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(parallel: ParallelConfig, servers: int = 0) -> Runtime:
+def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
     """Join the job the launcher set up (if any) and build the mesh for the configured degrees.
 
     A collective waits `parallel.timeout_s` for a hung or dead peer, then raises (the launcher names the rank).
 
-    With `servers` parameter-server ranks, those are ranks 0..servers-1 and the mesh holds the others.
+    With `sync.servers` parameter-server ranks, those are ranks 0..servers-1 and the mesh holds the others.
     """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     timeout = timedelta(seconds=parallel.timeout_s)
-    dims = ParallelDims.from_config(parallel, world_size, servers)
+    dims = ParallelDims.from_config(parallel, sync, world_size)
+    servers = sync.servers
     device = select_device(local_rank)
     mesh = dp_mesh = group = host = host_step = None
-    forced = parallel.force_distributed and world_size == 1
-    if forced and "MASTER_ADDR" not in os.environ:
+    if dims.forced and "MASTER_ADDR" not in os.environ:
         raise UserError("parallel.force_distributed = true needs a launcher: run under torchrun --nproc-per-node 1")
-    if world_size > 1 or forced:
+    if world_size > 1 or dims.forced:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
@@ -157,7 +151,6 @@ def init_runtime(parallel: ParallelConfig, servers: int = 0) -> Runtime:
         group,
         host_group=host,
         host_step_group=host_step,
-        forced=forced,
     )
 
 

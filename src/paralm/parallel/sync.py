@@ -1,8 +1,9 @@
 """How data-parallel replicas agree: the hooks the training loop calls, whatever the strategy.
 
 A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per
-step `after_backward` (gradients are final) and `after_step` (the optimizer has stepped: local SGD and
-DiLoCo average there). Its own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol)
+step `after_backward` (gradients are final), `clip_grad_norm_` (where the gradients are by then: ZeRO-1
+holds them on its shards) and `after_step` (the optimizer has stepped: local SGD and DiLoCo average
+there). Its own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol)
 travels in every checkpoint beside the model and optimizer, under `sync`, as one flat dict: per-rank
 state such as error-feedback residuals or a replica's optimizer moments belongs there, keyed by rank
 so DCP keeps every rank's copy (equal keys are saved from one rank only). Before loading, the
@@ -16,12 +17,16 @@ nothing is left to do after it.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+from paralm.parallel import grad_norm
+from paralm.parallel.runtime import Runtime
 
 # Optimizer state flattened to one key per parameter, hyperparameters included: pipeline stages hold
 # different parameters, and nested param groups (lists of names) would be saved from one rank only.
@@ -73,6 +78,13 @@ class SyncStrategy(Stateful):
 
     def after_backward(self) -> None:
         """Gradients are final on this rank (synced, unscaled); the optimizer has not stepped yet."""
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, runtime: Runtime, copies: Collection[str]
+    ) -> torch.Tensor:
+        """Scale the gradients to a global L2 norm of at most `max_norm`; returns the norm before. Here they
+        are on `model`'s parameters, however these are split over ranks (`copies`: tied weights' copies)."""
+        return grad_norm.clip_grad_norm_(model, max_norm, runtime, copies)
 
     def after_step(self, steps_done: int, last: bool) -> None:
         """The optimizer has stepped `steps_done` times in all; `last`: the run ends after this step."""

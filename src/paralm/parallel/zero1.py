@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from paralm.parallel.runtime import Runtime
 from paralm.parallel.sync import SyncStrategy, TrainingState
 
 
@@ -131,8 +133,11 @@ class ZeroOne(SyncStrategy):
                     if r != rank:  # this rank's rows are its shard, a view of the parameter: updated in place
                         rows.view(-1).copy_(gathered[r, start : start + rows.numel()])
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """One norm over the averaged gradient shards (the full gradients are gone by now)."""
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, runtime: Runtime, copies: Collection[str]
+    ) -> torch.Tensor:
+        """One norm over the averaged gradient shards (the model's full gradients are gone by now; ZeRO-1
+        holds plain parameters, so no copy or other rank's split needs counting apart)."""
         grads = [s.grad for s in self.shard_of.values() if s.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads).full_tensor()
         torch.nn.utils.clip_grads_with_norm_(list(self.shard_of.values()), max_norm, norm)

@@ -81,7 +81,7 @@ def choose_layouts(
         candidate = with_fields(plan.layout.apply_to(config), {"parallel.auto": False})
         try:
             validate(candidate)
-            ParallelDims.from_config(candidate.parallel, cluster.devices, candidate.sync.servers)
+            ParallelDims.from_config(candidate.parallel, candidate.sync, cluster.devices)
         except UserError:
             continue
         accepted.append((plan, candidate))

@@ -99,7 +99,7 @@ def _build_trial(index: int, source: str, base: Config, values: dict[str, Any], 
     _checkpoint_for_retries(config, where)
     try:
         validate(config)
-        ParallelDims.from_config(config.parallel, nproc, config.sync.servers)
+        ParallelDims.from_config(config.parallel, config.sync, nproc)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     typed = {field: getattr(getattr(config, field.split(".")[0]), field.split(".")[1]) for field in values}

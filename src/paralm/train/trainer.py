@@ -45,7 +45,7 @@ from paralm.train.step_metrics import StepMetrics
 
 
 def train(config: Config) -> None:
-    runtime = init_runtime(config.parallel, servers=config.sync.servers)
+    runtime = init_runtime(config.parallel, config.sync)
     try:
         with runtime.counting(config.log.comm_bytes):  # every collective from here on (paralm.parallel.comm_stats)
             if config.sync.mode == "parameter_server":
@@ -86,7 +86,7 @@ class Trainer:
         )
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
         self.memory = ModelStateMeter(self.model, self.optimizer, self.plan.sync.stepped_optimizer(self.optimizer))
-        self.memory_prediction = predict(config, self.model, self.plan.zero_stage, runtime.dims.dp_shard)
+        self.memory_prediction = predict(config, self.model, runtime.dims.zero_stage, runtime.dims.dp_shard)
 
         self.step, self.samples_seen, self.bad_steps = 0, 0, 0
         self._restore()
@@ -97,7 +97,7 @@ class Trainer:
             runtime,
             Throughput(self.shape.flops_per_token, peak_flops, runtime.world_size),
             tokens_per_step=self.layout.global_batch * config.model.block_size,
-            loss_divisor=self.layout.dp_size * runtime.dims.tp,  # each loss is held by the tp ranks of the last stage
+            loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
             comm_bytes=config.log.comm_bytes,
         )
