@@ -6,8 +6,8 @@ Each rank of a `pp`-stage job (gloo, forked like the tests' ranks) builds the tr
 parallel wrappers; no optimizer step), and reports the parameter bytes it holds and its peak RSS
 growth during that build (Linux: VmHWM after resetting it, minus VmRSS before). A rank that
 materialised the whole model before pruning it to its stages grows by the whole model's bytes; one
-that cuts its stages on the meta device, by its stages' own. A vocabulary of 256 keeps the embedding small, so the stages
-are near-equal slices of the blocks.
+that cuts its stages on the meta device, by its stages' own. A vocabulary of 256 keeps the
+embedding small, so the stages are near-equal slices of the blocks.
 """
 
 from __future__ import annotations
