@@ -204,7 +204,8 @@ SPEC = ModelSpec(
     check=check,
     shape=shape,
     tensor_parallel_plan=tensor_parallel_plan,
-    pipeline=PipelineParts(blocks="blocks", first=("wte", "wpe"), last=("ln_f", "lm_head")),
+    blocks="blocks",
+    pipeline=PipelineParts(first=("wte", "wpe"), last=("ln_f", "lm_head")),
     tied=TIED,
     hf=HFMapping(
         model_type="gpt2",

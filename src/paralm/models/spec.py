@@ -24,11 +24,10 @@ StateDict = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class PipelineParts:
-    """How the module is cut into pipeline stages: blocks in a `ModuleDict` keyed by layer index, and
-    the modules only the first stage (embeddings) or only the last stage (final norm, head) holds. A
-    stage is the module with the other parts set to None; its `forward` skips what is absent."""
+    """Besides its blocks, the modules only the first stage (embeddings) or only the last stage (final
+    norm, head) holds. A stage is the module with the other parts set to None; its `forward` skips
+    what is absent."""
 
-    blocks: str
     first: tuple[str, ...]
     last: tuple[str, ...]
 
@@ -57,6 +56,9 @@ class ModelSpec:
     shape: Callable[[ModelConfig], ModelShape]
     # the DTensor plan for the parts the module holds, (module, sequence_parallel) -> {submodule: style}
     tensor_parallel_plan: Callable[[nn.Module, bool], dict[str, ParallelStyle]]
+    # the `ModuleDict` of the repeated blocks, keyed by layer index: what activation checkpointing,
+    # compilation and FSDP wrap one by one, and what a pipeline cuts between stages
+    blocks: str
     pipeline: PipelineParts
     tied: Mapping[str, str]  # parameter name -> the parameter it shares (the head's weight -> the embedding's)
     hf: HFMapping

@@ -14,12 +14,12 @@ from paralm.compat import checkpoint_wrapper
 from paralm.config import TrainConfig
 
 
-def apply_activation_checkpointing(model: nn.Module, train: TrainConfig) -> None:
-    """Wrap the chosen blocks of `model.blocks` in place (before FSDP, which then shards the wrappers)."""
+def apply_activation_checkpointing(blocks: nn.ModuleDict, train: TrainConfig) -> None:
+    """Wrap the chosen blocks (keyed by layer index) in place (before FSDP, which then shards the wrappers)."""
     if train.activation_checkpointing == "none":
         return
     every = 1 if train.activation_checkpointing == "full" else train.ac_every
-    for name, block in list(model.blocks.items()):
+    for name, block in list(blocks.items()):
         if (int(name) + 1) % every == 0:
             # Non-reentrant recomputation restores the RNG state, so dropout draws the same masks twice.
-            model.blocks[name] = checkpoint_wrapper(block)
+            blocks[name] = checkpoint_wrapper(block)

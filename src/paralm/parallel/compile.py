@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile the forward of each block of `model.blocks` in place (a pipeline stage holds some of them)."""
-    for block in model.blocks.values():
+def apply_compile(blocks: nn.ModuleDict) -> None:
+    """Compile the forward of each block in place (a pipeline stage holds some of them)."""
+    for block in blocks.values():
         block.forward = torch.compile(block.forward, fullgraph=True)

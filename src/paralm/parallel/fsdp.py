@@ -37,9 +37,11 @@ def fsdp_mesh(runtime: Runtime) -> DeviceMesh:
     return runtime.mesh["dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
-    """Shard `model` in place (its class becomes an `FSDPModule`) at the ZeRO stage of `runtime.dims`;
-    works on meta-device models."""
+def apply_fsdp(
+    model: nn.Module, blocks: nn.ModuleDict, runtime: Runtime, parallel: ParallelConfig, precision: PrecisionConfig
+) -> None:
+    """Shard `model` in place (its class becomes an `FSDPModule`) at the ZeRO stage of `runtime.dims`, each of
+    its `blocks` a unit of its own; works on meta-device models."""
     compute = precision.dtype
     offload = parallel.cpu_offload
     policy = {
@@ -51,7 +53,7 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, pre
         "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
     }
     reshard = runtime.dims.zero == 3
-    for block in model.blocks.values():
+    for block in blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **policy)
     fully_shard(model, **policy)  # the root keeps its parameters gathered: backward starts there
     setattr(model, _EVERY_MICROSTEP, parallel.shard_grads_every_microstep)

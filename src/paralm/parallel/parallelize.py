@@ -121,15 +121,18 @@ def _sync_strategy(
 
 def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
-    dims = runtime.dims
+    dims, spec = runtime.dims, model_spec(config.model)
     if dims.tp_enabled:
-        apply_tensor_parallel(model, model_spec(config.model), runtime.mesh["tp"], dims.sequence_parallel)
-    apply_activation_checkpointing(model, config.train)
+        apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel)
+    blocks = model.get_submodule(spec.blocks)
+    apply_activation_checkpointing(blocks, config.train)
     if config.train.compile:
         check_compile(config, runtime.device.type)
-        apply_compile(model)
+        apply_compile(blocks)
     if dims.fsdp_enabled:
-        apply_fsdp(model, runtime, config.parallel, config.precision)  # ZeRO-2/3 (ZeRO-1: paralm.parallel.zero1)
+        apply_fsdp(
+            model, blocks, runtime, config.parallel, config.precision
+        )  # ZeRO-2/3 (ZeRO-1: paralm.parallel.zero1)
     if has_meta_tensors(model):  # after sharding, so each rank allocates only its shards of the initial weights
         materialize(model, runtime.device, config.train.seed, offload=config.parallel.cpu_offload)
     if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)

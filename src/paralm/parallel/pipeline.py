@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages cut from the plain model, run by a `torch.distributed.pipelining` schedule.
 
-A stage is a copy of the model without what it does not hold (the family's `PipelineParts`): its
+A stage is a copy of the model without what it does not hold (the family's spec says what): its
 blocks keep their `ModuleDict` keys, the first stage also has the embeddings, the last the final norm
 and head. Stages are cut on the meta device, so a rank allocates only its own stages' weights when
 they are materialised (`parallelize_stage`, after tensor and data parallelism shard them). The
@@ -41,7 +41,7 @@ from paralm.degrees import num_stages, pipeline_microbatches
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
-from paralm.models.spec import ModelSpec, PipelineParts
+from paralm.models.spec import ModelSpec
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
 from paralm.parallel.step import Batches, LossScale
@@ -202,22 +202,22 @@ def build_pipeline(
         print(split.describe(ranks), file=sys.stderr, flush=True)
     pp_rank = runtime.mesh["pp"].get_local_rank()
     stages = {
-        s: _cut_stage(model, spec.pipeline, split.layer_range(s), s == 0, s == total - 1)
+        s: _cut_stage(model, spec, split.layer_range(s), s == 0, s == total - 1)
         for s in range(total)
         if ranks[s] == pp_rank
     }
-    _keep_stages(model, spec.pipeline, stages.values())
+    _keep_stages(model, spec, stages.values())
     stage_modules = {s: _autocast_forward(parallelize_stage(part), runtime.device, dtype) for s, part in stages.items()}
     return Pipeline(model, spec, stage_modules, ranks, runtime, p, model_config.d_model)
 
 
-def _cut_stage(model: nn.Module, parts: PipelineParts, layers: range, first: bool, last: bool) -> nn.Module:
+def _cut_stage(model: nn.Module, spec: ModelSpec, layers: range, first: bool, last: bool) -> nn.Module:
     """A copy of `model` holding only `layers` and, on the first or last stage, the parts only it holds.
 
     A deep copy, so a stage holding both ends of a tied weight's pair is never the same parameter as
     another stage's end: each end trains its own copy and `Pipeline` sums their gradients."""
     stage = copy.deepcopy(model)
-    blocks = stage.get_submodule(parts.blocks)
+    blocks, parts = stage.get_submodule(spec.blocks), spec.pipeline
     for key in [k for k in blocks if int(k) not in layers]:
         del blocks[key]
     for name in (() if first else parts.first) + (() if last else parts.last):
@@ -225,18 +225,18 @@ def _cut_stage(model: nn.Module, parts: PipelineParts, layers: range, first: boo
     return stage
 
 
-def _keep_stages(model: nn.Module, parts: PipelineParts, stages: Iterable[nn.Module]) -> None:
+def _keep_stages(model: nn.Module, spec: ModelSpec, stages: Iterable[nn.Module]) -> None:
     """Make `model` the union of `stages`, sharing their modules: the optimizer, checkpoints and
     gradient clipping see the rank's parameters under the full model's names."""
     stages = list(stages)
-    blocks = model.get_submodule(parts.blocks)
-    held = {key: block for stage in stages for key, block in stage.get_submodule(parts.blocks).items()}
+    blocks = model.get_submodule(spec.blocks)
+    held = {key: block for stage in stages for key, block in stage.get_submodule(spec.blocks).items()}
     for key in list(blocks):
         if key in held:
             blocks[key] = held[key]
         else:
             del blocks[key]
-    for name in parts.first + parts.last:
+    for name in spec.pipeline.first + spec.pipeline.last:
         holders = [getattr(stage, name) for stage in stages if getattr(stage, name) is not None]
         setattr(model, name, holders[0] if holders else None)
 
