@@ -27,8 +27,8 @@ def _trainer(tmp_path, mode: str) -> Trainer:
 
 def _loss_and_grads(trainer: Trainer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)  # the dropout masks of this step
-    loss = trainer.forward_backward(trainer.micro_batches())
-    plain = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in trainer.model.named_parameters()}
+    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
+    plain = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in trainer.engine.model.named_parameters()}
     return loss, {name: p.grad for name, p in plain.items()}
 
 
@@ -42,8 +42,8 @@ def test_selective_checkpointing_wraps_every_kth_block(tmp_path):
 def test_recomputation_gives_the_same_loss_and_gradients(mode, tmp_path):
     expected_loss, expected_grads = _loss_and_grads(_trainer(tmp_path, "none"))
     trainer = _trainer(tmp_path, mode)
-    calls = dict.fromkeys(trainer.model.blocks, 0)  # forward passes per block, recomputations included
-    for name, block in trainer.model.blocks.items():
+    calls = dict.fromkeys(trainer.engine.model.blocks, 0)  # forward passes per block, recomputations included
+    for name, block in trainer.engine.model.blocks.items():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         # a pre-hook: recomputation stops once backward has what it needs, before a forward hook would fire
         inner.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
@@ -53,4 +53,7 @@ def test_recomputation_gives_the_same_loss_and_gradients(mode, tmp_path):
     assert torch.equal(loss, expected_loss)
     for name, grad in expected_grads.items():
         assert torch.equal(grads[name], grad), name
-    assert get_model_state_dict(trainer.model).keys() == get_model_state_dict(_trainer(tmp_path, "none").model).keys()
+    assert (
+        get_model_state_dict(trainer.engine.model).keys()
+        == get_model_state_dict(_trainer(tmp_path, "none").engine.model).keys()
+    )
