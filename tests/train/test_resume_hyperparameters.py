@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from paralm.model import GPT
+from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
