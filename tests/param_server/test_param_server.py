@@ -141,7 +141,7 @@ def test_asynchronous_parameter_server_learns_within_its_staleness_bound(tmp_pat
     """3 workers, 10 updates of one worker's batch each; the loss must get below the synchronous run's
     loss after its first step (an async run sees fewer samples per update, so not its final loss)."""
     config = _ps(tmp_path, "async", ps_async=True, max_staleness=1)
-    config.train.steps = 10
+    config.train.steps, config.log.comm_bytes = 10, True
     run_ranks(_train, 4, tmp_path, config)
     rows = _rows(config)
     assert [r["step"] for r in rows] == list(range(10))
