@@ -2,11 +2,12 @@
 
     python benchmarks/comm_counter.py [--ranks 2] [--steps 6] [--zero 0] [--tp 1] [--pp 1] [--threads 1]
 
-`Trainer.fit` runs every step inside `CommStats.counting()` (`paralm.parallel.comm_stats`), a
-dispatch mode that sees the operators it is not suspended for. Here `Trainer.train_step` runs on the
-tiny model (micro-batch 8 per rank) alternately inside it, as `paralm train` runs it, and outside it
-(nothing counted), after 3 warm-up steps, without the model-state meter of logged steps; rank 0
-prints the median of each and the counter's share.
+With `log.comm_bytes = true`, `Trainer.fit` runs every step inside `CommStats.counting()`
+(`paralm.parallel.comm_stats`), a dispatch mode that sees every operator. Here `Trainer.train_step`
+runs on the tiny model (micro-batch 8 per rank) alternately inside it, as `paralm train` runs it when
+counting, and outside it (the default), after 3 warm-up steps, without the model-state meter of logged
+steps; rank 0 prints the median of each and the counter's share. Whole runs, layout by layout:
+`benchmarks/step_time.py`.
 """
 
 from __future__ import annotations

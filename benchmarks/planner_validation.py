@@ -6,13 +6,13 @@
 Before every run in every round, `paralm calibrate` measures this machine for that run's process
 count (a parameter server's servers compute nothing, so its workers are calibrated without them):
 a shared host's speed can drift by a fifth within minutes, so each round's steps are compared with a
-calibration taken just before them, as `--parallel.auto` calibrates and then trains (`--clusters
+calibration taken just before them, as `--parallel.auto` calibrates before it plans (`--clusters
 DIR` keeps the files and reuses them to price the same rounds again). Then the run trains through
 `paralm train` as a user would, and `paralm plan` prices exactly its layout
 (every layout field fixed on the command line) with `--recipe fp32-master`, how paralm stores model
 states. Measured figures come from metrics.jsonl, over the steps after the first two: model states,
 the peak memory and the fastest and median step times. The median is what calibration predicts:
-its matmul rates and per-kernel cost are medians of rounds run by every worker at once (the fastest
+its matmul rates are medians of rounds run by every worker at once (the fastest
 step is the luckiest share of the cores, and a parameter server's workers' fastest is a step that met
 no other worker's push).
 

@@ -70,6 +70,7 @@ def run(name: str, nproc: int, overrides: list[str], args: argparse.Namespace) -
         "--model.block_size=128", "--model.dropout=0", f"--train.micro_batch_size={args.micro_batch}",
         *schedule(args, 1),
         "--train.eval_every=0", "--train.eval_samples=256", "--checkpoint.resume=none", "--log.tensorboard=false",
+        "--log.comm_bytes=true",  # the table's bytes
     ]  # fmt: skip
     command = [
         sys.executable,

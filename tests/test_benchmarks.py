@@ -45,6 +45,7 @@ ARGS = {
         "ps async, slowed",
         "ps async, fast alone",
     ],
+    "step_time.py": ["--steps", "2", "--rounds", "1", "--layouts", "ddp"],
     "tensor_parallel_comm.py": ["--tp", "2", "--batch", "1"],
     "throughput.py": ["--steps", "3", "--models", "tiny"],
     "zero_memory.py": ["--steps", "3", "--d-model", "32", "--n-layer", "1", "--ranks", "2"],

@@ -102,7 +102,7 @@ class ParallelConfig:
     force_distributed: bool = option(
         False, "under torchrun, take the distributed code paths (process group, mesh, DDP/FSDP) even with one rank"
     )
-    auto: bool = option(False, "the planner picks the fastest layout that fits (command-line fields stay)")
+    auto: bool = option(False, "the planner's best few layouts run briefly; the fastest measured trains")
     timeout_s: float = option(600.0, "seconds a collective waits for a hung or dead peer before the job fails")
 
 

@@ -1,6 +1,7 @@
-"""Counted bytes equal the analytic volume of each layout, 2 ranks, fp32, the tiny model.
+"""Counted bytes equal the analytic volume of each layout, 2 ranks, fp32, the tiny model, with counting
+on (`log.comm_bytes`); with it off no dispatch mode runs and rows carry no bytes.
 
-Per step, with B the model's fp32 bytes and the conventions of `paralm.parallel.comm_stats` (summed over
+Per step, with B the model's fp32 bytes and the conventions of `paralm.parallel.wire_volume` (summed over
 both ranks, P = 2): an all-reduce of n bytes costs 2n, an all-gather of n bytes per rank 2n, a reduce-
 scatter of n bytes n, a send n. The metrics read-back and the stop-signal agreement happen between steps
 and are not a step's traffic (`other_bytes` in comm.json). The gradient norm of pipeline stages all-
@@ -8,21 +9,24 @@ reduces one fp32 scalar (8 bytes); over FSDP's DTensor gradients, torch's `get_t
 parameter's norm separately (one fp32 scalar per parameter).
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
-from paralm.compat import TorchDispatchMode
+from paralm.compat import current_dispatch_mode
 from paralm.models.gpt2 import GPT
-from paralm.parallel import comm_stats, wire_volume
+from paralm.parallel.comm_stats import SUMMARY_FILE
 from paralm.parallel.parallelize import ParallelPlan
-from paralm.train.precision import LossScaler
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.slow
 NORM = 2 * 4  # one fp32 scalar all-reduced
+COUNTING = {"comm_bytes": True}  # `log.comm_bytes`
+REBUILT_BUCKETS = 152  # DDP's one-time exchange of its rebuilt bucket order, in step 1's forward (tiny model)
 
 
 def _train(config):
@@ -30,7 +34,9 @@ def _train(config):
 
 
 def _counted(tmp_path, name, **sections):
-    config = tiny_config(tmp_path / name, train={"steps": 2, "optimizer": "sgd", "grad_clip": 1.0}, **sections)
+    config = tiny_config(
+        tmp_path / name, train={"steps": 2, "optimizer": "sgd", "grad_clip": 1.0}, log=COUNTING, **sections
+    )
     run_ranks(_train, 2, tmp_path, config)
     model = GPT(config.model)
     return [row["comm_bytes"] for row in read_metrics(config.run.dir)], model, config
@@ -46,13 +52,12 @@ def _bytes(params) -> int:
 
 def test_ddp_all_reduces_every_gradient_once(tmp_path):
     rows, model, _ = _counted(tmp_path, "ddp")
-    # (not DDP's one-time exchange of its rebuilt bucket order in step 1's forward: outside our hook)
-    assert rows == [2 * _bytes(model.parameters())] * 2
+    every = 2 * _bytes(model.parameters())
+    assert rows == [every, every + REBUILT_BUCKETS]  # step 1's forward also exchanges the rebuilt bucket order
 
 
 def test_zero1_moves_what_ddp_moves(tmp_path):
-    """ZeRO-1 reduce-scatters the gradients (B over both ranks) and all-gathers the updated parameters
-    (B), with its per-parameter work outside the counting mode: its collectives count themselves."""
+    """ZeRO-1 reduce-scatters the gradients (B over both ranks) and all-gathers the updated parameters (B)."""
     rows, model, _ = _counted(tmp_path, "zero1", parallel={"zero": 1})
     assert rows == [2 * _bytes(model.parameters()) + _fsdp_norm(model)] * 2
 
@@ -71,11 +76,11 @@ def test_zero3_gathers_the_blocks_again_in_backward(tmp_path):
 def test_hsdp_all_reduces_the_shards_across_replicas(tmp_path):
     """4 ranks, 2 replicas of 2 shards, ZeRO-3: within each replica as ZeRO-3 on 2 ranks (twice the
     ranks, twice the bytes), plus FSDP2's own all-reduce of each rank's gradient shard (B/2) between
-    replicas (counted by the hook FSDP2 calls after it); each parameter's norm is all-reduced over the
-    2 shards of each replica."""
+    replicas; each parameter's norm is all-reduced over the 2 shards of each replica."""
     config = tiny_config(
         tmp_path / "hsdp",
         train={"steps": 2, "optimizer": "sgd", "grad_clip": 1.0},
+        log=COUNTING,
         parallel={"zero": 3, "dp_replicate": 2, "dp_shard": 2},
     )
     run_ranks(_train, 4, tmp_path, config)
@@ -84,22 +89,6 @@ def test_hsdp_all_reduces_the_shards_across_replicas(tmp_path):
     within_replicas = 2 * (2 * every + blocks + _fsdp_norm(model))
     between_replicas = 4 * (2 * (2 - 1) / 2 * every / 2)
     assert [row["comm_bytes"] for row in read_metrics(config.run.dir)] == [within_replicas + between_replicas] * 2
-
-
-def test_an_all_reduce_torch_issued_is_counted_once():
-    """FSDP2's HSDP all-reduce reaches the counting mode when it is on (tensor or pipeline parallelism
-    beside HSDP); the hook after it must then add nothing, and count it only when no mode saw it."""
-
-    class Replicas:  # the group's size is all the count reads
-        def size(self) -> int:
-            return 4
-
-    stats, grads = comm_stats.CommStats(), torch.zeros(100)
-    with stats.counting():
-        stats.count_all_reduce_issued_by_torch(grads, Replicas())
-    assert stats.take_step() == (0, 0)
-    stats.count_all_reduce_issued_by_torch(grads, Replicas())
-    assert stats.take_step() == (600, 600)  # a ring: 2 (P - 1) / P x 400 bytes each way
 
 
 def test_local_sgd_averages_the_parameters_every_step(tmp_path):
@@ -119,130 +108,79 @@ def test_pipeline_sends_activations_and_sums_the_tied_embedding(tmp_path):
     assert rows[0] > rows[1]
 
 
+def test_tensor_parallelism_is_counted(tmp_path):
+    """DTensor issues its collectives inside torch: the mode sees them, the same every step."""
+    rows, _, _ = _counted(tmp_path, "tp", parallel={"tp": 2})
+    assert rows[0] == rows[1] > 0
+
+
 def test_one_process_trains_without_the_counting_mode(tmp_path, monkeypatch):
-    """One process issues no collectives, so it does not pay the counter's per-operator dispatch mode;
-    its steps still report 0 bytes."""
+    """One process issues no collectives, so it does not pay the counter's per-operator dispatch mode
+    even when counting is on; its steps report 0 bytes."""
     from paralm.parallel.comm_stats import CommStats
 
     def refuse(self):
         raise AssertionError("the counting mode was entered by one process")
 
     monkeypatch.setattr(CommStats, "counting", refuse)
-    config = tiny_config(tmp_path / "one", train={"steps": 2})
+    config = tiny_config(tmp_path / "one", train={"steps": 2}, log=COUNTING)
     train(config)
     assert [row["comm_bytes"] for row in read_metrics(config.run.dir)] == [0, 0]
 
 
-def _matmuls_under_the_counter(config) -> int:
-    """Train; how many matmuls of the forward and backward of steps after the first went through the
-    counting mode (a pipeline's first step exchanges its stages' shapes, which only the mode sees)."""
-    seen, inside, calls = [], [], []
-    dispatch, forward_backward = comm_stats._Counter.__torch_dispatch__, ParallelPlan.forward_backward
+def _modes_seen(config) -> list[bool]:
+    """Train; for every module forward and every step's forward and backward, whether a dispatch mode was on."""
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: seen.append(current_dispatch_mode() is not None)
+    )
+    forward_backward = ParallelPlan.forward_backward
 
-    def recording(self, func, types, args=(), kwargs=None):
-        if inside and func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            seen.append(func)
-        return dispatch(self, func, types, args, kwargs)
+    def recorded(self, batches, scale):
+        seen.append(current_dispatch_mode() is not None)
+        return forward_backward(self, batches, scale)
 
-    def marked(self, batches, scale):
-        calls.append(True)
-        inside.extend([True] * (len(calls) > 1))
-        try:
-            return forward_backward(self, batches, scale)
-        finally:
-            inside.clear()
-
-    comm_stats._Counter.__torch_dispatch__, ParallelPlan.forward_backward = recording, marked  # this rank only
-    train(config)
-    return len(seen)
+    ParallelPlan.forward_backward = recorded  # this rank only
+    try:
+        train(config)
+    finally:
+        hook.remove()
+    return seen
 
 
 @pytest.mark.parametrize(
-    ("name", "sections", "outside"),
-    [
-        ("ddp", {}, True),
-        ("zero1", {"parallel": {"zero": 1}}, True),
-        ("local_sgd", {"sync": {"mode": "local_sgd", "local_steps": 1}}, True),
-        ("zero3", {"parallel": {"zero": 3}}, True),
-        ("pp", {"parallel": {"pp": 2, "pp_microbatches": 2}}, True),
-        ("tp", {"parallel": {"tp": 2}}, False),
-    ],
+    ("name", "parallel"),
+    [("ddp", {}), ("zero3", {"zero": 3}), ("tp", {"tp": 2}), ("pp", {"pp": 2, "pp_microbatches": 2})],
 )
-def test_the_counter_leaves_forward_and_backward_to_our_hooks(tmp_path, name, sections, outside):
-    """The counting mode costs a Python call per operator: DDP's, ZeRO-1's, ZeRO-3's, local SGD's and,
-    after its first step, a pipeline's forward and backward run without it (their collectives count
-    themselves: the byte tests above still hold); tensor parallelism's under it (only the mode sees
-    DTensor's collectives)."""
-    config = tiny_config(tmp_path / name, train={"steps": 3}, **sections)
-    seen = run_ranks(_matmuls_under_the_counter, 2, tmp_path, config)
-    if outside:
-        assert seen == [0, 0]
-    else:
-        assert min(seen) > 0
+def test_without_comm_bytes_no_mode_runs_and_no_bytes_are_logged(tmp_path, name, parallel):
+    """Off by default: no dispatch mode is entered (the counter costs a Python call per operator), the
+    rows carry no `comm_bytes` and no comm.json is written."""
+    config = tiny_config(tmp_path / name, train={"steps": 2}, parallel=parallel)
+    for seen in run_ranks(_modes_seen, 2, tmp_path, config):
+        assert seen and not any(seen)
+    rows = read_metrics(config.run.dir)
+    assert len(rows) == 2 and all("comm_bytes" not in row for row in rows)
+    assert not (Path(config.run.dir) / SUMMARY_FILE).exists()
 
 
-def _collectives_in_optimizer_steps(config) -> tuple[int, list[str]]:
-    """Train; how many operators the optimizer steps ran, and the collectives among them."""
-    operators, collectives = [0], []
-
-    class Recording(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented  # DTensor's own handling; its collectives come back here
-            operators[0] += 1
-            if func.namespace in wire_volume.NAMESPACES:
-                collectives.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    step = LossScaler.step
-
-    def recorded(self, optimizer):
-        with Recording():
-            result = step(self, optimizer)
-            optimizer.zero_grad(set_to_none=True)
-        return result
-
-    LossScaler.step = recorded  # this rank only
-    train(config)
-    return operators[0], collectives
+def test_with_comm_bytes_the_mode_runs_and_comm_json_adds_up(tmp_path):
+    config = tiny_config(tmp_path / "on", train={"steps": 2}, parallel={"zero": 3}, log=COUNTING)
+    for seen in run_ranks(_modes_seen, 2, tmp_path, config):
+        assert seen and all(seen)
+    summary = json.loads((Path(config.run.dir) / SUMMARY_FILE).read_text())
+    assert summary["total_bytes"] == sum(row["comm_bytes"] for row in read_metrics(config.run.dir)) > 0
 
 
-@pytest.mark.parametrize(
-    ("name", "sections"),
-    [
-        ("tp-sp", {"parallel": {"tp": 2, "sequence_parallel": True}}),
-        ("zero1", {"parallel": {"zero": 1}}),
-        ("zero3", {"parallel": {"zero": 3}}),
-        ("pp", {"parallel": {"pp": 2, "pp_microbatches": 2}}),
-        ("diloco", {"sync": {"mode": "diloco", "local_steps": 1}}),
-    ],
-)
-def test_the_optimizer_step_communicates_nothing(tmp_path, name, sections):
-    """The trainer steps the optimizer outside the counting mode (it costs a Python call per operator),
-    which is exact only if the step issues no collective: strategies exchange after backward and after
-    the step, the loss scaler when it unscales."""
-    config = tiny_config(tmp_path / name, train={"steps": 2, "grad_clip": 1.0}, **sections)
-    for operators, collectives in run_ranks(_collectives_in_optimizer_steps, 2, tmp_path, config):
-        assert operators > 0 and collectives == []
-
-
-def _train_in_the_mode(config):
-    """Train with every operator under the counting mode (nothing suspended)."""
-    import contextlib
-
-    comm_stats.CommStats.suspended = lambda self: contextlib.nullcontext()  # this rank only
-    train(config)
-
-
-def test_data_parallel_pipeline_stages_count_what_the_mode_counts(tmp_path):
-    """Replicated pipeline stages (dp 2 x pp 2) run outside the counting mode after the first step: the
-    stages count their transfers and FSDP2's replicate hook its gradient all-reduce, to the byte what
-    the mode counts when it sees every operator."""
+def test_replicated_pipeline_stages_send_activations_and_all_reduce_their_gradients(tmp_path):
+    """dp 2 x pp 2: each pipeline as on 2 ranks, and FSDP2's `replicate` all-reduces each stage's
+    gradients (the last stage's with the tied copy) between its 2 replicas."""
     sections = {"parallel": {"pp": 2, "pp_microbatches": 2}, "train": {"steps": 3, "micro_batch_size": 2}}
-    counted = []
-    for name, fn in (("hooks", _train), ("mode", _train_in_the_mode)):
-        config = tiny_config(tmp_path / name, **sections)
-        run_ranks(fn, 4, tmp_path, config)
-        counted.append([row["comm_bytes"] for row in read_metrics(config.run.dir)])
-    hooks, mode = counted
-    assert hooks[1:] == mode[1:] and min(mode) > 0
+    config = tiny_config(tmp_path / "dp-pp", log=COUNTING, **sections)
+    run_ranks(_train, 4, tmp_path, config)
+    rows = [row["comm_bytes"] for row in read_metrics(config.run.dir)]
+    model = GPT(config.model)
+    activation = 1 * config.model.block_size * config.model.d_model * 4  # one sequence per pipeline micro-batch
+    tied = _bytes([model.wte.weight])
+    pipelines = 2 * (2 * 2 * activation + 2 * tied + NORM)
+    replicas = 2 * (_bytes(model.parameters()) + tied)
+    assert rows[1:] == [pipelines + replicas] * 2

@@ -1,6 +1,6 @@
 """Gradient compression hooks on 2 ranks: exactness, error bounds, and the bytes they hand over.
 
-- none: our counting hook does DDP's own arithmetic (divide by the ranks, sum): bitwise equal.
+- none: DDP's own reducer, as with no hook registered: bitwise equal.
 - fp16 / bf16: each rank's g/P is rounded to the wire dtype and the sum is rounded once more, so
   |g_wire - g| <= 2u (|g_0| + |g_1|) / P elementwise, with unit roundoff u = 2^-11 (fp16) or 2^-8
   (bf16). Below 2^-14 fp16 has a fixed step of 2^-24, so each rank's two roundings there (the cast,
@@ -160,7 +160,7 @@ def hooks(tmp_path_factory):
     return run_ranks(_hooks, 2, root, tiny_config(root / "run"))
 
 
-def test_uncompressed_hook_equals_ddp_bitwise(hooks):
+def test_no_compression_is_ddps_reducer_and_counted_as_a_ring(hooks):
     for results, _, _ in hooks:
         plain, _ = results[None]
         counted, sent = results["none"]
@@ -214,7 +214,10 @@ def runs(tmp_path_factory):
         "powersgd": {"compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 2},
         "topk": {"compression": "topk", "topk_ratio": 0.05},
     }
-    configs = {name: tiny_config(root / name, train={"steps": 12}, comm=comm) for name, comm in settings.items()}
+    configs = {
+        name: tiny_config(root / name, train={"steps": 12}, comm=comm, log={"comm_bytes": True})
+        for name, comm in settings.items()
+    }
     for config in configs.values():
         run_ranks(_train, 2, root, config)
     return {name: read_metrics(config.run.dir) for name, config in configs.items()}

@@ -28,8 +28,10 @@ def _train(config):
     train(config)
 
 
-def _run(tmp_path, name, train=None, sync=None):
-    config = tiny_config(tmp_path / name, train={"steps": 4, **(train or {})}, sync=sync or {})
+def _run(tmp_path, name, train=None, sync=None, comm_bytes=False):
+    config = tiny_config(
+        tmp_path / name, train={"steps": 4, **(train or {})}, sync=sync or {}, log={"comm_bytes": comm_bytes}
+    )
     run_ranks(_train, 2, tmp_path, config)
     return config
 
@@ -67,10 +69,10 @@ def test_local_sgd_with_one_local_step_equals_one_process_for_sgd(tmp_path):
 
 
 def test_diloco_with_plain_outer_step_equals_local_sgd(tmp_path):
-    local = _run(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 2})
+    local = _run(tmp_path, "local", sync={"mode": "local_sgd", "local_steps": 2}, comm_bytes=True)
     diloco = _run(tmp_path, "diloco", sync={"mode": "diloco", "local_steps": 2, "outer_lr": 1.0, "outer_momentum": 0.0})
     _assert_same_training(local, diloco)
-    allreduce = _run(tmp_path, "allreduce")
+    allreduce = _run(tmp_path, "allreduce", comm_bytes=True)
     bytes_local = sum(row["comm_bytes"] for row in read_metrics(local.run.dir))
     ddp_step = read_metrics(allreduce.run.dir)[-1]["comm_bytes"]  # after DDP rebuilt its buckets on step 1
     bad_step_flags = 4 * 2 * 4  # every step the replicas agree on skipping a NaN step (one int32)

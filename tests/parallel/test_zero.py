@@ -133,7 +133,9 @@ def test_zero1_sends_no_more_bytes_than_ddp(tmp_path):
     exactly DDP's ring all-reduce when no dimension needs padding (the tiny model's divide by 2), plus
     its gradient norm over the shards (torch reduces one fp32 scalar per parameter: 8 bytes over 2
     ranks), which DDP computes locally. The previous ZeRO-1 (DDP's all-reduce, then broadcasts) sent more."""
-    runs = [tiny_config(tmp_path / f"zero{stage}", parallel={"zero": stage}) for stage in (0, 1)]
+    runs = [
+        tiny_config(tmp_path / f"zero{stage}", parallel={"zero": stage}, log={"comm_bytes": True}) for stage in (0, 1)
+    ]
     run_ranks(train_and_gather, 2, tmp_path, runs)
     ddp, zero1 = ([row["comm_bytes"] for row in read_metrics(run.run.dir)] for run in runs)
     assert min(ddp) > 0
@@ -173,7 +175,6 @@ def _zero1_exchange_with_padding() -> tuple[dict[str, torch.Tensor], dict[str, t
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paralm.parallel.comm_stats import CommStats
     from paralm.parallel.zero1 import ZeroOne
 
     dist.init_process_group("gloo")
@@ -182,7 +183,7 @@ def _zero1_exchange_with_padding() -> tuple[dict[str, torch.Tensor], dict[str, t
     for i, p in enumerate(model.parameters()):
         torch.nn.init.constant_(p, float(i))
         p.grad = torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (rank + 1)  # ranks differ
-    zero = ZeroOne(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), None, 1e-5, CommStats())
+    zero = ZeroOne(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), None, 1e-5)
     zero.after_backward()  # a tiny bucket size: several buckets
     grads = {name: zero.shard_of[p].grad.full_tensor() for name, p in model.named_parameters()}
     with torch.no_grad():

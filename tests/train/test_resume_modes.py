@@ -53,7 +53,7 @@ def _config(run_dir, steps, mode):
     sections.setdefault("train", {})["steps"] = steps
     if MODES[mode].get("parallel", {}).get("pp_virtual_stages"):
         sections["model"] = {"n_layer": 4}  # two stages per rank
-    return tiny_config(run_dir, checkpoint={"every": 4}, **sections)
+    return tiny_config(run_dir, checkpoint={"every": 4}, log={"comm_bytes": True}, **sections)
 
 
 def _max_loss_difference(tmp_path, mode) -> float:

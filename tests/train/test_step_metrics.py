@@ -9,6 +9,7 @@ PER_STEP = ("step", "loss", "lr", "grad_norm", "samples_seen", "comm_bytes", "pa
 
 def _fit(config, every: int) -> list[dict]:
     runtime = init_runtime(config.parallel)
+    config.log.comm_bytes = True  # one process: 0 bytes, summed like any step's
     trainer = Trainer(config, runtime)
     trainer.metrics.every = every
     trainer.fit()

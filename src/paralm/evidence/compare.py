@@ -53,11 +53,12 @@ def default_layouts(nproc: int) -> list[LayoutSpec]:
 
 
 def shared_overrides(config: str | None, nproc: int, overrides: list[str]) -> list[str]:
-    """The overrides every layout gets: the user's, a fixed global batch (the same samples whatever the
-    data-parallel degree) and a fresh start (a rerun into the same --out must not resume)."""
+    """The overrides every layout gets: bytes counted (unless the user's say otherwise), the user's, a
+    fixed global batch (the same samples whatever the data-parallel degree) and a fresh start (a rerun
+    into the same --out must not resume)."""
     loaded = load_config(config, overrides)
     batch = loaded.train.global_batch_size or loaded.train.micro_batch_size * loaded.train.grad_accum * nproc
-    return [*overrides, f"--train.global_batch_size={batch}", "--checkpoint.resume=none"]
+    return ["--log.comm_bytes=true", *overrides, f"--train.global_batch_size={batch}", "--checkpoint.resume=none"]
 
 
 def summarise(name: str, args: list[str], rows: list[dict], first: list[dict] | None) -> dict:

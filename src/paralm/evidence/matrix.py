@@ -43,6 +43,7 @@ BASE_ARGS = [
     "--checkpoint.resume=none",
     "--log.tensorboard=false",
     "--log.progress=false",
+    "--log.comm_bytes=true",  # the byte checks read them
 ]
 
 

@@ -2,15 +2,18 @@
 
 The cluster is this machine as `paralm calibrate` measures it for the local process count, cached
 (`~/.cache/paralm/cluster-*.toml`), with as many nodes as the world size implies. Fields given on the
-command line stay fixed; of the layouts that fit, the fastest that paralm's own checks accept wins.
-Planning runs once, where the job starts: `--nproc N` plans in the launching process and hands every
-worker the chosen layout with `parallel.auto` off; under an external torchrun each rank plans alike
-from the same cached calibration (which must exist then, so that every rank reads the same figures).
+command line stay fixed; of the layouts that fit, the model's fastest few that paralm's own checks
+accept are trained for a few steps each and the fastest measured wins (`paralm.plan.trials`), recorded
+in `<run.dir>/auto.json`. Planning runs once, where the job starts: `--nproc N` plans in the launching
+process and hands every worker the chosen layout with `parallel.auto` off; under an external torchrun
+each rank plans alike from the same cached calibration (which must exist then, so that every rank
+reads the same figures) and, unable to launch trials from the workers, trains the fastest predicted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import re
@@ -26,8 +29,9 @@ from paralm.hardware import cache_dir
 from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
 from paralm.parallel.launch import running_under_launcher
+from paralm.plan import trials
 from paralm.plan.cluster import Cluster, GiB, load_cluster
-from paralm.plan.request import LAYOUT_FIELDS, get, load_request, override_value, with_fields
+from paralm.plan.request import load_request, with_fields
 from paralm.plan.search import Plan, search
 from paralm.rules import validate
 
@@ -42,12 +46,19 @@ def train_config(path: str | None, overrides: list[str], world_size: int) -> tup
         return load_config(path, overrides), overrides
     requested, fixed = load_request(path, overrides)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    cluster = local_cluster(local, allow_calibration=not running_under_launcher())
+    under_launcher = running_under_launcher()
+    cluster = local_cluster(local, allow_calibration=not under_launcher)
     cluster = dataclasses.replace(cluster, nodes=max(1, world_size // local))
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    config = choose_layout(requested, fixed, cluster, log=print if rank0 else lambda line: None)
-    chosen = [f"--{key}={override_value(get(config, key))}" for key in (*LAYOUT_FIELDS, "train.global_batch_size")]
-    return config, [*overrides, *chosen, "--parallel.auto=false"]
+    log = functools.partial(print, flush=True) if rank0 else lambda line: None
+    candidates = choose_layouts(requested, fixed, cluster, log)
+    if under_launcher or len(candidates) == 1:
+        chosen, rows = trials.predicted_only(candidates, log, under_launcher)
+    else:
+        chosen, rows = trials.pick(candidates, trials.child_runs(path, overrides, world_size), log)
+    if rank0:
+        trials.write_record(Path(requested.run.dir), rows)
+    return chosen.config, [*overrides, *chosen.overrides()]
 
 
 def _auto_requested(path: str | None, overrides: list[str]) -> bool:
@@ -59,8 +70,11 @@ def _auto_requested(path: str | None, overrides: list[str]) -> bool:
     return Config.from_dict({"parallel": {"auto": value}}, source="parallel.auto").parallel.auto
 
 
-def choose_layout(config: Config, fixed: dict[str, Any], cluster: Cluster, log: Callable[[str], None]) -> Config:
-    """`config` with the fastest layout that fits `cluster`, keeps `fixed` and passes paralm's checks."""
+def choose_layouts(
+    config: Config, fixed: dict[str, Any], cluster: Cluster, log: Callable[[str], None]
+) -> list[trials.Candidate]:
+    """`config` with the fastest `SHOWN` layouts that fit `cluster`, keep `fixed` and pass paralm's
+    checks, fastest predicted first."""
     _, plans = search(config, cluster, fixed, recipe=RECIPE)
     accepted: list[tuple[Plan, Config]] = []
     for plan in plans:
@@ -79,8 +93,8 @@ def choose_layout(config: Config, fixed: dict[str, Any], cluster: Cluster, log: 
     for i, (plan, _) in enumerate(accepted, 1):
         log(f"  {i}. {describe(plan)}")
     if len(accepted) > 1:
-        log(f"  1 won: {why(accepted[0][0], accepted[1][0])}")
-    return accepted[0][1]
+        log(f"  1 is predicted {why(accepted[0][0], accepted[1][0])}")
+    return [trials.Candidate(candidate, plan.time.total) for plan, candidate in accepted]
 
 
 def describe(plan: Plan) -> str:
