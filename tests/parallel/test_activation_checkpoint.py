@@ -33,9 +33,11 @@ def _loss_and_grads(trainer: Trainer) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 
 def test_selective_checkpointing_wraps_every_kth_block(tmp_path):
-    blocks = _trainer(tmp_path, "selective").model.blocks
+    blocks = _trainer(tmp_path, "selective").engine.model.blocks
     assert [name for name, block in blocks.items() if isinstance(block, CheckpointWrapper)] == ["1", "3"]
-    assert all(isinstance(block, CheckpointWrapper) for block in _trainer(tmp_path, "full").model.blocks.values())
+    assert all(
+        isinstance(block, CheckpointWrapper) for block in _trainer(tmp_path, "full").engine.model.blocks.values()
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
