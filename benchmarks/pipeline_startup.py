@@ -46,7 +46,7 @@ def _rank(sections: dict) -> tuple[int, int, int]:
     before = _status("VmRSS")
     trainer = Trainer(config, runtime)
     grown = _status("VmHWM") - before
-    held = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    held = sum(p.numel() * p.element_size() for p in trainer.engine.model.parameters())
     shutdown(runtime)
     return runtime.rank, held, grown
 

@@ -1,8 +1,8 @@
 """The package's import graph has no circle: every module can be understood from those below it.
 
-Imports are read with `ast` from the source, at module level and inside functions (a lazy import
-still ties the two modules together); those under `if TYPE_CHECKING:` are only for type checkers
-and are left out.
+Imports are read with `ast` from the source, at module level, inside functions (a lazy import still
+ties the two modules together) and under `if TYPE_CHECKING:` (a type-only import too: the module
+cannot be read without the one it names).
 """
 
 import ast
@@ -18,23 +18,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def _imports(tree: ast.AST) -> list[str]:
     found: list[str] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        stack.extend(ast.iter_child_nodes(node))
     return found
 
 
@@ -77,14 +67,27 @@ def test_the_reader_finds_a_circle_when_there_is_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_type_only_imports_count():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from paralm.train.trainer import Trainer\n"
+    assert "paralm.train.trainer" in _imports(ast.parse(source))
+
+
 def test_the_graph_covers_the_package():
     graph = import_graph()
-    assert "paralm.parallel.parallelize" in graph["paralm.train.trainer"]
+    assert "paralm.parallel.parallelize" in graph["paralm.train.engine"]
     assert "paralm.config" in graph["paralm.cli"] or any("paralm.config" in g for g in graph.values())
 
 
 def test_paralm_has_no_import_circle():
     assert find_cycle(import_graph()) is None
+
+
+def test_the_parameter_server_runs_on_the_step_engine_not_the_trainer():
+    graph = import_graph()
+    assert "paralm.train.engine" in graph["paralm.param_server.worker"]
+    assert not {
+        m for m, targets in graph.items() if m.startswith("paralm.param_server") and "paralm.train.trainer" in targets
+    }
 
 
 def test_the_config_imports_nothing_from_parallel():

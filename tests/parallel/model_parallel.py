@@ -24,9 +24,9 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def one_step(config: Config, runtime: Runtime) -> tuple[float, dict[str, torch.Tensor]]:
     """The first step's global-batch loss and this rank's gradients, without updating anything."""
     trainer = Trainer(config, runtime)
-    loss = trainer.forward_backward(trainer.micro_batches())
+    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
     loss = runtime.all_reduce(loss) / runtime.dims.loss_replicas
-    return loss.item(), full_gradients(trainer.model)
+    return loss.item(), full_gradients(trainer.engine.model)
 
 
 def gradients_then_training(configs: list[Config]) -> list[tuple[float, dict[str, torch.Tensor]]]:

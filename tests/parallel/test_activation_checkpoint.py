@@ -27,23 +27,25 @@ def _trainer(tmp_path, mode: str) -> Trainer:
 
 def _loss_and_grads(trainer: Trainer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)  # the dropout masks of this step
-    loss = trainer.forward_backward(trainer.micro_batches())
-    plain = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in trainer.model.named_parameters()}
+    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
+    plain = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in trainer.engine.model.named_parameters()}
     return loss, {name: p.grad for name, p in plain.items()}
 
 
 def test_selective_checkpointing_wraps_every_kth_block(tmp_path):
-    blocks = _trainer(tmp_path, "selective").model.blocks
+    blocks = _trainer(tmp_path, "selective").engine.model.blocks
     assert [name for name, block in blocks.items() if isinstance(block, CheckpointWrapper)] == ["1", "3"]
-    assert all(isinstance(block, CheckpointWrapper) for block in _trainer(tmp_path, "full").model.blocks.values())
+    assert all(
+        isinstance(block, CheckpointWrapper) for block in _trainer(tmp_path, "full").engine.model.blocks.values()
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recomputation_gives_the_same_loss_and_gradients(mode, tmp_path):
     expected_loss, expected_grads = _loss_and_grads(_trainer(tmp_path, "none"))
     trainer = _trainer(tmp_path, mode)
-    calls = dict.fromkeys(trainer.model.blocks, 0)  # forward passes per block, recomputations included
-    for name, block in trainer.model.blocks.items():
+    calls = dict.fromkeys(trainer.engine.model.blocks, 0)  # forward passes per block, recomputations included
+    for name, block in trainer.engine.model.blocks.items():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         # a pre-hook: recomputation stops once backward has what it needs, before a forward hook would fire
         inner.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
@@ -53,4 +55,7 @@ def test_recomputation_gives_the_same_loss_and_gradients(mode, tmp_path):
     assert torch.equal(loss, expected_loss)
     for name, grad in expected_grads.items():
         assert torch.equal(grads[name], grad), name
-    assert get_model_state_dict(trainer.model).keys() == get_model_state_dict(_trainer(tmp_path, "none").model).keys()
+    assert (
+        get_model_state_dict(trainer.engine.model).keys()
+        == get_model_state_dict(_trainer(tmp_path, "none").engine.model).keys()
+    )

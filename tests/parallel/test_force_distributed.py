@@ -23,9 +23,9 @@ def _fit(config):
     trainer.fit()
     wrapped = {
         "distributed": dist.is_initialized() and runtime.mesh is not None,
-        "ddp": isinstance(trainer.train_module, DistributedDataParallel),
-        "zero1": isinstance(trainer.plan.sync, ZeroOne),
-        "fsdp": isinstance(trainer.train_module, FSDPModule),
+        "ddp": isinstance(trainer.engine.module, DistributedDataParallel),
+        "zero1": isinstance(trainer.engine.plan.sync, ZeroOne),
+        "fsdp": isinstance(trainer.engine.module, FSDPModule),
     }
     shutdown(runtime)
     return wrapped, [row["loss"] for row in read_metrics(config.run.dir)]

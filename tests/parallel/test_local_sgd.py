@@ -86,7 +86,7 @@ def _replicas(config):
     while trainer.step < config.train.steps:
         trainer.train_step()
         trainer.step += 1
-        snapshots.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+        snapshots.append(torch.cat([p.detach().flatten() for p in trainer.engine.model.parameters()]))
     shutdown(runtime)
     return snapshots
 

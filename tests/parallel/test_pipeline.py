@@ -78,7 +78,7 @@ def _held_parameters(config):
     runtime = init_runtime(config.parallel, config.sync)
     with mock.patch.object(torch.nn.Module, "to_empty", counting_to_empty):
         trainer = Trainer(config, runtime)
-    held = {name: p.numel() for name, p in trainer.model.named_parameters()}
+    held = {name: p.numel() for name, p in trainer.engine.model.named_parameters()}
     shutdown(runtime)
     return held, sum(allocated)
 

@@ -28,12 +28,14 @@ def _shards_gradients_and_training(configs):
     """How the first config lays out logits and weights, then gradients and training for each config."""
     runtime = init_runtime(configs[0].parallel, configs[0].sync)
     trainer = Trainer(configs[0], runtime)
-    logits = trainer.train_module(trainer.micro_batches()[0][0])
+    logits = trainer.engine.module(trainer.engine.micro_batches()[0][0])
     layout = {
         "logits_placements": logits.placements,
         "local_logits": tuple(logits.to_local().shape),
-        "local_weights": {n: tuple(p.to_local().shape) for n, p in trainer.model.named_parameters() if "attn" in n},
-        "tied": trainer.model.lm_head.weight is trainer.model.wte.weight,
+        "local_weights": {
+            n: tuple(p.to_local().shape) for n, p in trainer.engine.model.named_parameters() if "attn" in n
+        },
+        "tied": trainer.engine.model.lm_head.weight is trainer.engine.model.wte.weight,
     }
     layout["partial_gradients"] = [_partial_gradients(config, runtime_for(config, runtime)) for config in configs]
     results = []
@@ -47,10 +49,10 @@ def _shards_gradients_and_training(configs):
 def _partial_gradients(config, runtime) -> list[str]:
     """Parameters whose gradients are still pending sums after backward: each use would reduce them."""
     trainer = Trainer(config, runtime)
-    trainer.forward_backward(trainer.micro_batches())
+    trainer.engine.forward_backward(trainer.engine.micro_batches())
     return [
         name
-        for name, param in trainer.model.named_parameters()
+        for name, param in trainer.engine.model.named_parameters()
         if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements)
     ]
 

@@ -66,7 +66,7 @@ def train_and_gather(configs: list[Config]) -> list[dict[str, torch.Tensor]]:
     for config in configs:
         trainer = Trainer(config, runtime_for(config, runtime))
         trainer.fit()
-        full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        full = get_model_state_dict(trainer.engine.model, options=StateDictOptions(full_state_dict=True))
         weights.append({name: tensor.detach().clone() for name, tensor in full.items()})
     shutdown(runtime)
     return weights
@@ -149,10 +149,10 @@ def grads_after_unsynced_microstep(configs: list[Config]) -> list[bool]:
     held = []
     for config in configs:
         trainer = Trainer(config, runtime_for(config, runtime))
-        x, y = trainer.micro_batches()[0]
-        with gradient_sync(trainer.plan.module, sync=False):
-            cross_entropy_loss(trainer.plan.module(x), y).backward()
-        held.append(all(isinstance(p.grad, DTensor) for p in trainer.model.parameters()))
+        x, y = trainer.engine.micro_batches()[0]
+        with gradient_sync(trainer.engine.plan.module, sync=False):
+            cross_entropy_loss(trainer.engine.plan.module(x), y).backward()
+        held.append(all(isinstance(p.grad, DTensor) for p in trainer.engine.model.parameters()))
     shutdown(runtime)
     return held
 

@@ -1,5 +1,6 @@
 """NaN/inf gradients are skipped steps, agreed by every rank; too many in a row stop the run."""
 
+import itertools
 import time
 
 import pytest
@@ -9,27 +10,29 @@ import torch.distributed as dist
 from paralm.config import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.parallel.runtime import init_runtime
-from paralm.train import trainer
 from paralm.train.checkpoint import latest_checkpoint
+from paralm.train.engine import StepEngine
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 
 
 def _poison(monkeypatch, steps, rank=0):
-    """Gradients of the given steps become NaN on `rank` (as a NaN loss would make them)."""
-    forward_backward = trainer.Trainer.forward_backward
+    """Gradients of the given steps become NaN on `rank` (as a NaN loss would make them). A run from
+    scratch calls `forward_backward` once per step: the calls count the steps."""
+    forward_backward = StepEngine.forward_backward
+    calls = itertools.count()
 
     def poisoned(self, batches):
         loss = forward_backward(self, batches)
-        if self.step in steps and self.runtime.rank == rank:
+        if next(calls) in steps and self.runtime.rank == rank:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
             return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(trainer.Trainer, "forward_backward", poisoned)
+    monkeypatch.setattr(StepEngine, "forward_backward", poisoned)
 
 
 def test_a_nan_step_is_skipped_and_reported(tmp_path, monkeypatch, capsys):

@@ -22,8 +22,8 @@ def _train(config):
 def _gradients(config):
     runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
-    loss = trainer.forward_backward(trainer.micro_batches())
-    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
+    grads = {name: p.grad.clone() for name, p in trainer.engine.model.named_parameters()}
     loss = runtime.all_reduce(loss) / runtime.dims.dp
     shutdown(runtime)
     return loss.item(), grads

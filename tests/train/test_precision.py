@@ -14,23 +14,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _weights(trainer: Trainer) -> list[torch.Tensor]:
-    return [_local(p).detach().clone() for p in trainer.model.parameters()]
+    return [_local(p).detach().clone() for p in trainer.engine.model.parameters()]
 
 
 def _step(trainer: Trainer, poison: bool) -> dict:
     """One training step; with `poison`, an inf is written into this rank's first gradient after backward."""
-    forward_backward = trainer.forward_backward
+    forward_backward = trainer.engine.forward_backward
 
     def poisoned(batches):
         loss = forward_backward(batches)
-        _local(next(trainer.model.parameters()).grad).view(-1)[0] = float("inf")
+        _local(next(trainer.engine.model.parameters()).grad).view(-1)[0] = float("inf")
         return loss
 
     if poison:
-        trainer.forward_backward = poisoned
+        trainer.engine.forward_backward = poisoned
     trainer.train_step()
     (row,) = trainer.metrics.read_back()
-    trainer.forward_backward = forward_backward
+    trainer.engine.forward_backward = forward_backward
     trainer.step += 1
     return row
 

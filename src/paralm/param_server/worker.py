@@ -1,37 +1,34 @@
-"""A parameter-server worker: pulls parameters, computes gradients with the trainer's step engine
-(its data, micro-batches and forward/backward), pushes them, and evaluates when told to."""
+"""A parameter-server worker: pulls parameters, computes gradients on the step engine the trainer
+also runs (its data, micro-batches and forward/backward), pushes them, and evaluates when told to."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from paralm.config import Config
 from paralm.data.sampler import BatchLayout
 from paralm.parallel.flat import flatten, unflatten
-from paralm.parallel.ps_protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
 from paralm.parallel.runtime import Runtime
+from paralm.param_server.protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
+from paralm.train.engine import StepEngine
 from paralm.train.memory import local_bytes
 from paralm.train.metrics import peak_memory_bytes
 
-if TYPE_CHECKING:
-    from paralm.train.trainer import Trainer
-
 
 class Worker:
-    def __init__(self, trainer: Trainer, config: Config, runtime: Runtime) -> None:
-        self.trainer, self.config, self.runtime = trainer, config, runtime
+    def __init__(self, engine: StepEngine, config: Config, runtime: Runtime) -> None:
+        self.engine, self.config, self.runtime = engine, config, runtime
         self.link = Endpoint.between(runtime.comm, config.sync, runtime.device, runtime.host_group)
-        self.params = list(trainer.model.parameters())
+        self.params = list(engine.model.parameters())
         bounds = shard_bounds([p.numel() for p in self.params], runtime.servers)
         self.shards = [self.params[b.start : b.stop] for b in bounds]
         t = config.train
         if config.sync.ps_async:  # an update is one worker's batch
-            self.layout, self.dp_rank = BatchLayout(1, t.grad_accum, t.micro_batch_size), 0
-        else:  # an update is the global batch, each worker taking its slice as in all-reduce data parallelism
-            self.layout, self.dp_rank = trainer.layout, runtime.dp_rank
+            engine.layout, engine.dp_rank = BatchLayout(1, t.grad_accum, t.micro_batch_size), 0
+        # else an update is the global batch, each worker taking its slice as in all-reduce data parallelism
+        engine.resume(engine.module)  # the checkpoint's weights (the lead server restores the optimizer)
         self.first = runtime.rank == runtime.servers
 
     def work(self) -> None:
@@ -40,14 +37,14 @@ class Worker:
             self.runtime.comm.summarise(self.runtime.world_size, 0, None, self.runtime.device)
 
     def _work(self) -> None:
-        if self.first:  # the servers start from this worker's parameters (initialised, or restored by the Trainer)
+        if self.first:  # the servers start from this worker's parameters (initialised, or restored)
             for server, shard in enumerate(self.shards):
                 self.link.send(server, Header(), flatten([p.detach() for p in shard]), Tag.STATE)
         reply = self.pull()
         while True:
             if reply.status.evaluates:
                 unreported = self._traffic()  # with the servers, before the evaluation's collectives
-                self.report(self.trainer.evaluate(), unreported)
+                self.report(self.engine.evaluate(), unreported)
             if reply.status.stops:
                 return
             self.push(*self.compute(reply.version, reply.start), reply)
@@ -56,9 +53,8 @@ class Worker:
     def compute(self, version: int, start: int) -> tuple[float, float, float]:
         """Gradients of this worker's batch at `start`: (loss, grad norm (async only), seconds)."""
         started = time.perf_counter()
-        self.trainer.plan.before_step(self.config.train.seed, version)
-        batches = self.trainer.micro_batches(self.layout.micro_batch_starts(start, self.dp_rank))
-        loss = self.trainer.forward_backward(batches).item()
+        self.engine.plan.before_step(self.config.train.seed, version)
+        loss = self.engine.forward_backward(self.engine.micro_batches(start)).item()
         grad_norm = 0.0
         if self.config.sync.ps_async:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip or float("inf")).item()
@@ -83,7 +79,7 @@ class Worker:
                 traffic=self._traffic() if server == LEAD else 0,
             )
             self.link.send(server, message, flatten([p.grad for p in shard]))
-        self.trainer.model.zero_grad(set_to_none=True)
+        self.engine.model.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def pull(self) -> Header:

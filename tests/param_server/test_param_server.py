@@ -22,7 +22,7 @@ import torch
 
 from paralm.models.gpt2 import GPT
 from paralm.parallel.comm_stats import SUMMARY_FILE
-from paralm.parallel.ps_protocol import shard_bounds
+from paralm.param_server.protocol import shard_bounds
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config

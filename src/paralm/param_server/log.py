@@ -14,11 +14,11 @@ from typing import Any
 from paralm.config import Config
 from paralm.hardware import device_peak_flops
 from paralm.models.registry import model_shape
-from paralm.parallel.ps_protocol import HEADER_BYTES, Endpoint, Kind, server_device
 from paralm.parallel.runtime import Runtime
+from paralm.param_server.protocol import HEADER_BYTES, Endpoint, Kind, server_device
+from paralm.param_server.shard import ServerShard
 from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
 from paralm.train.optim import learning_rate
-from paralm.train.ps_shard import ServerShard
 
 
 class ServerLog:

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from paralm.config import Config
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.flat import flatten
-from paralm.parallel.ps_protocol import LEAD, Endpoint, Header, Kind, Status, Tag
 from paralm.parallel.runtime import Runtime
-from paralm.train.ps_log import ServerLog
-from paralm.train.ps_shard import ServerShard
+from paralm.param_server.log import ServerLog
+from paralm.param_server.protocol import LEAD, Endpoint, Header, Kind, Status, Tag
+from paralm.param_server.shard import ServerShard
 
 
 class Server:

@@ -1,0 +1,27 @@
+"""Every rank of a parameter-server job starts here: servers serve, workers compute (see the package)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from paralm.config import Config
+from paralm.data.prepare import dataset_dir
+from paralm.parallel.runtime import Runtime
+from paralm.param_server.protocol import LEAD
+from paralm.param_server.server import Server
+from paralm.param_server.worker import Worker
+from paralm.rules import check_parameter_server
+from paralm.train.engine import StepEngine
+
+
+def run_parameter_server(config: Config, runtime: Runtime) -> None:
+    check_parameter_server(config, runtime.device.type)
+    if runtime.local_rank == 0:  # a server here, which builds no step engine: it prepares the data for the workers'
+        dataset_dir(config.data)
+    # the lead server writes checkpoints alone (DCP's metadata on gloo); every rank takes part in creating it
+    solo = dist.new_group([LEAD], backend="gloo")
+    dist.barrier(group=runtime.host_group)
+    if runtime.is_server:
+        Server(config, runtime, solo).serve()
+    else:
+        Worker(StepEngine(config, runtime), config, runtime).work()

@@ -1,0 +1,101 @@
+"""The step engine: what computing a step needs, whoever drives the steps.
+
+The training loop (`paralm.train.trainer`) and a parameter-server worker (`paralm.param_server.worker`)
+both read batches, run forward and backward, and evaluate; only what happens to the gradients
+differs (an optimizer step here, a push to the servers there). This is that shared part: the
+datasets and batch layout, the model built on the meta device through its family's spec and
+parallelized, and the calls on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from paralm.config import Config
+from paralm.data.prepare import dataset_dir
+from paralm.data.sampler import BatchLayout, sample_windows
+from paralm.data.shards import TokenDataset
+from paralm.degrees import resolve_grad_accum
+from paralm.evaluate import validation_loss
+from paralm.models.registry import model_shape, model_spec
+from paralm.parallel.parallelize import parallelize
+from paralm.parallel.runtime import Runtime
+from paralm.parallel.step import Batches
+from paralm.rules import check_vocab_size
+from paralm.train.checkpoint import checkpoint_to_resume, load_checkpoint
+from paralm.train.precision import LossScaler
+
+
+class StepEngine:
+    def __init__(self, config: Config, runtime: Runtime) -> None:
+        self.config, self.runtime, self.device = config, runtime, runtime.device
+        t = config.train
+        if runtime.local_rank == 0:  # one preparer per node; the others then find it done
+            dataset_dir(config.data)
+        runtime.barrier()
+        data_dir = dataset_dir(config.data)
+        self.train_data = TokenDataset(data_dir, "train", config.model.block_size)
+        self.val_data = TokenDataset(data_dir, "val", config.model.block_size)
+        check_vocab_size(config, self.train_data.vocab_size, data_dir)
+        # this rank's share of each batch: a slice of the global batch (a parameter-server worker may
+        # take a whole batch of its own instead)
+        self.layout = BatchLayout(runtime.dims.dp, resolve_grad_accum(config, runtime.dims.dp), t.micro_batch_size)
+        self.dp_rank = runtime.dp_rank
+
+        with torch.device("meta"):  # no memory yet: parallelize gives each rank its shards of the seeded init
+            self.model = model_spec(config.model).build(config.model)
+        self.shape = model_shape(config.model)
+        self.plan = parallelize(self.model, runtime, config)
+        self.module = self.plan.module
+        # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
+        self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
+
+    def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
+        """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that
+        step together); returns its trainer state, or None when the run starts fresh."""
+        path = checkpoint_to_resume(self.config)
+        return None if path is None else load_checkpoint(path, state, self.runtime.group)
+
+    def micro_batches(self, start: int = 0) -> Batches:
+        """This rank's micro-batches of the batch whose first sample is `start`."""
+        size = self.layout.micro_batch_size
+        batches = []
+        for first in self.layout.micro_batch_starts(start, self.dp_rank):
+            windows = sample_windows(self.config.train.seed, first, size, self.train_data.num_windows)
+            x, y = self.train_data.batch(windows)
+            batches.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+        return batches
+
+    def forward_backward(self, batches: Batches) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches, syncing only on the last; returns this rank's
+        mean loss over them (0 on pipeline ranks without the last stage)."""
+        return self.plan.forward_backward(batches, self.scaler.scale)
+
+    def evaluate(self) -> float:
+        """Validation loss (collective over the ranks that step together)."""
+        t = self.config.train
+        loss, _ = validation_loss(
+            self.module,
+            self.plan.eval_loss,
+            self.val_data,
+            self.runtime,
+            t.eval_samples,
+            t.micro_batch_size,
+            t.seed,
+            self.device,
+        )
+        return loss
+
+    def describe(self) -> str:
+        """The model and how each step's batch is laid out, for the start-up line."""
+        layout, m = self.layout, self.config.model
+        return (
+            f"{self.shape.flops_params / 1e6:.2f}M parameters ({m.family}, {m.n_layer} layers, d_model {m.d_model}), "
+            f"{self.runtime.world_size} rank(s) on {self.device.type}, dp {layout.dp_size}, "
+            f"global batch {layout.global_batch} = {layout.dp_size} x {layout.grad_accum} x "
+            f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}"
+        )
