@@ -241,6 +241,7 @@ def test_parameter_server(tmp_path, sync):
         tmp_path / "run",
         train={"steps": 3, "eval_every": 2, "grad_clip": 1.0},
         sync={"mode": "parameter_server", **sync},
+        log={"comm_bytes": True},  # its accounting too; without it a CPU server uses no device group at all
     )
     results = run_ranks(_train, 3, tmp_path, config)
     _assert_disciplined(results)
