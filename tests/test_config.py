@@ -46,6 +46,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["--precision.dtype=fp8"], "precision.dtype = 'fp8' is not one of"),
         (["--nosuch.x=1"], "unknown section [nosuch]"),
         (["--model.n_head=3"], "divisible by model.n_head"),
+        (["--model.family=gpt5"], "model.family = 'gpt5' is not a model family: use one of gpt2"),
         (["--train.micro_batch_size=0"], "train.micro_batch_size = 0 must be at least 1"),
         (["train.steps=3"], "overrides look like --section.field=value"),
         (["--train.steps"], "needs a value"),

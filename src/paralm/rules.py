@@ -16,6 +16,7 @@ from pathlib import Path
 from paralm.config import Config
 from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.errors import UserError
+from paralm.models.registry import model_spec
 from paralm.parallel.dims import ParallelDims
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 
@@ -55,6 +56,7 @@ def validate(config: Config) -> None:
         raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    model_spec(m).check(m)  # an unknown family, or a shape the family cannot build
     if not 0 < config.data.val_fraction < 1:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
     if config.parallel.timeout_s <= 0:
