@@ -16,7 +16,7 @@ from pathlib import Path
 from paralm.config import Config
 from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.errors import UserError
-from paralm.models.registry import model_spec
+from paralm.models.registry import model_shape, model_spec
 from paralm.parallel.dims import ParallelDims
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 
@@ -170,6 +170,12 @@ def _check_tensor_parallel(config: Config) -> None:
     if m.n_head % p.tp:
         raise UserError(
             f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}: each rank must hold whole heads"
+        )
+    kv_heads = model_shape(m).n_kv_heads
+    if kv_heads % p.tp:
+        raise UserError(
+            f"model.n_kv_heads = {kv_heads} is not divisible by parallel.tp = {p.tp}: each rank must hold whole "
+            "key/value heads (lower parallel.tp or raise model.n_kv_heads)"
         )
     if m.vocab_size % p.tp:
         raise UserError(

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralm.models.config import ModelConfig
+from paralm.models.kv_cache import KVCache, LayerCache, attend
 from paralm.models.seeding import seed_parameter
 
 TIED = {"lm_head.weight": "wte.weight"}  # the head multiplies by the token embedding, as GPT-2
@@ -36,10 +37,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 
@@ -63,8 +64,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -106,20 +107,24 @@ class GPT(nn.Module):
                     std = residual_std if module_name.endswith(("attn.wo", "mlp.proj")) else 0.02
                     nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """Token ids (batch, seq) to logits (batch, seq, vocab).
 
         On a pipeline stage without the embedding, `x` is the previous stage's hidden states; on
-        one without the head, the hidden states are returned.
+        one without the head, the hidden states are returned. `positions` (seq,): the tokens' global
+        positions (default: counted from the cache's length).
         """
         if self.wte is not None:
-            seq = x.shape[1]
-            if seq > self.config.block_size:
-                raise ValueError(f"sequence of {seq} tokens exceeds block_size {self.config.block_size}")
-            positions = torch.arange(seq, device=x.device)
+            if positions is None:
+                start = cache.length if cache is not None else 0
+                if start + x.shape[1] > self.config.block_size:
+                    raise ValueError(f"{start + x.shape[1]} positions exceed block_size {self.config.block_size}")
+                positions = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.drop(self.wte(x) + self.wpe(positions))
-        for block in self.blocks.values():
-            x = block(x)
+        for key, block in self.blocks.items():
+            x = block(x, cache.layer(int(key)) if cache is not None else None)
         if self.lm_head is not None:
             x = self.lm_head(self.ln_f(x))
         return x

@@ -44,6 +44,7 @@ def shape(config: ModelConfig) -> ModelShape:
     return ModelShape(
         n_layer=n,
         n_head=config.n_head,
+        n_kv_heads=config.n_head,
         d_model=d,
         block_size=config.block_size,
         vocab_size=config.vocab_size,
@@ -214,5 +215,6 @@ SPEC = ModelSpec(
         config_from_hf=config_from_hf,
         to_hf=to_hf,
         from_hf=from_hf,
+        related=(),
     ),
 )

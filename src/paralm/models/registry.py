@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from paralm.errors import UserError
-from paralm.models import gpt2_spec
+from paralm.models import gpt2_spec, llama_spec
 from paralm.models.config import ModelConfig
 from paralm.models.shape import ModelShape
 from paralm.models.spec import ModelSpec
 
-FAMILIES: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt2_spec.SPEC,)}
+FAMILIES: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt2_spec.SPEC, llama_spec.SPEC)}
 
 
 def model_spec(config: ModelConfig) -> ModelSpec:
@@ -26,7 +26,7 @@ def model_shape(config: ModelConfig) -> ModelShape:
 def hf_spec(model_type: object, source: str) -> ModelSpec:
     """The family a Hugging Face `model_type` maps to, or a one-line refusal."""
     for spec in FAMILIES.values():
-        if spec.hf.model_type == model_type:
+        if model_type == spec.hf.model_type or model_type in spec.hf.related:
             return spec
-    known = ", ".join(repr(s.hf.model_type) for s in FAMILIES.values())
+    known = ", ".join(repr(t) for s in FAMILIES.values() for t in (s.hf.model_type, *s.hf.related))
     raise UserError(f"{source}: model_type is {model_type!r}; paralm imports {known}")

@@ -17,6 +17,7 @@ class ModelShape:
 
     n_layer: int
     n_head: int
+    n_kv_heads: int  # key/value heads (grouped-query attention); n_head without it
     d_model: int
     block_size: int
     vocab_size: int

@@ -42,6 +42,7 @@ class HFMapping:
 
     model_type: str
     architecture: str
+    related: tuple[str, ...]  # other `model_type`s that import computes exactly (when their settings allow)
     config_to_hf: Callable[[ModelConfig], dict[str, Any]]
     config_from_hf: Callable[[dict[str, Any], str], dict[str, Any]]
     to_hf: Callable[[StateDict, ModelConfig], StateDict]
@@ -60,5 +61,13 @@ class ModelSpec:
     # compilation and FSDP wrap one by one, and what a pipeline cuts between stages
     blocks: str
     pipeline: PipelineParts
-    tied: Mapping[str, str]  # parameter name -> the parameter it shares (the head's weight -> the embedding's)
+    # parameter name -> the parameter it shares when the model ties them (the head's weight -> the
+    # embedding's); `tied_parameters` says which pairs a built model does tie
+    tied: Mapping[str, str]
     hf: HFMapping
+
+
+def tied_parameters(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
+    """The pairs of `spec.tied` that are one parameter in `model` (a Llama may or may not tie its head)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {name: source for name, source in spec.tied.items() if params.get(name, 0) is params.get(source, 1)}

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import CommConfig, Config, SyncConfig
 from paralm.models.registry import model_spec
+from paralm.models.spec import tied_parameters
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
@@ -47,7 +48,7 @@ class ParallelPlan:
     sync: SyncStrategy
     runtime: Runtime
     straggler: SyncConfig  # who sleeps in `before_step`, and how long
-    tied: Collection[str]  # the copies of tied weights (`ModelSpec.tied`): gradient clipping counts them once
+    tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
@@ -87,6 +88,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     the whole config: each strategy gets the sections it needs and asks `runtime.dims` the rest.
     """
     dims, spec, dtype = runtime.dims, model_spec(config.model), config.precision.dtype
+    tied = tied_parameters(model, spec)  # before a pipeline cut makes the head a copy
     if dims.pp_enabled:  # stages are cut on the meta device, each materialised by `parallelize_stage`
         stage = lambda part: parallelize_stage(part, runtime, config)  # noqa: E731
         module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, stage)
@@ -100,7 +102,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         sync=_sync_strategy(model, module, runtime, config.comm, config.sync),
         runtime=runtime,
         straggler=config.sync,
-        tied=tuple(spec.tied),
+        tied=tuple(tied),
         scaler_group=runtime.dp_group if dims.shards_gradients else None,
     )
 

@@ -7,7 +7,7 @@ they are materialised (`parallelize_stage`, after tensor and data parallelism sh
 rank's model keeps the union of its stages, sharing their modules, so parameter names stay the full
 model's and DCP checkpoints move between layouts.
 
-Tied weights (`ModelSpec.tied`, GPT-2's head and embedding): the first stage holds the embedding and
+Tied weights (`ModelSpec.tied`: GPT-2's head and embedding, a tied Llama's): the first stage holds the embedding and
 the last its own copy as the head, initialised alike (each parameter draws from its name's seed).
 After the backward their gradients are summed between the two ranks (on one rank for the V
 schedules, which put the first and last stage together), so both see the tied parameter's gradient,
@@ -41,7 +41,7 @@ from paralm.degrees import num_stages, pipeline_microbatches
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
-from paralm.models.spec import ModelSpec
+from paralm.models.spec import ModelSpec, tied_parameters
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
 from paralm.parallel.step import Batches, LossScale
@@ -59,7 +59,7 @@ class Pipeline(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        spec: ModelSpec,
+        tied: dict[str, str],
         stage_modules: dict[int, nn.Module],
         stage_to_rank: dict[int, int],
         runtime: Runtime,
@@ -80,8 +80,8 @@ class Pipeline(nn.Module):
         last = self.num_stages - 1
         self.has_first, self.has_last = 0 in stage_modules, last in stage_modules
         held = dict(self.named_parameters(remove_duplicate=False))
-        self.tied = [[held[n] for n in (source, name) if n in held] for name, source in spec.tied.items()]
-        self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last]) if spec.tied else None
+        self.tied = [[held[n] for n in (source, name) if n in held] for name, source in tied.items()]
+        self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last]) if tied else None
         self.stages = [
             PipelineStage(module, s, self.num_stages, runtime.device, group=self.pp_group)
             for s, module in stage_modules.items()
@@ -201,6 +201,7 @@ def build_pipeline(
     if runtime.is_main:
         print(split.describe(ranks), file=sys.stderr, flush=True)
     pp_rank = runtime.mesh["pp"].get_local_rank()
+    tied = tied_parameters(model, spec)
     stages = {
         s: _cut_stage(model, spec, split.layer_range(s), s == 0, s == total - 1)
         for s in range(total)
@@ -208,7 +209,7 @@ def build_pipeline(
     }
     _keep_stages(model, spec, stages.values())
     stage_modules = {s: _autocast_forward(parallelize_stage(part), runtime.device, dtype) for s, part in stages.items()}
-    return Pipeline(model, spec, stage_modules, ranks, runtime, p, model_config.d_model)
+    return Pipeline(model, tied, stage_modules, ranks, runtime, p, model_config.d_model)
 
 
 def _cut_stage(model: nn.Module, spec: ModelSpec, layers: range, first: bool, last: bool) -> nn.Module:

@@ -22,23 +22,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from paralm.models.spec import ModelSpec
+from paralm.models.spec import ModelSpec, tied_parameters
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard `model` in place over `tp_mesh` by its family's plan; tied weights stay one parameter
     (each style registers its own DTensor copy; the plan shards both the same way)."""
-    tied = [(name, source) for name, source in spec.tied.items() if _same_parameter(model, name, source)]
+    tied = tied_parameters(model, spec)  # a pipeline stage may hold one end or its own copy
     parallelize_module(model, tp_mesh, spec.tensor_parallel_plan(model, sequence_parallel))
-    for name, source in tied:
+    for name, source in tied.items():
         module, attribute = name.rsplit(".", 1)
         setattr(model.get_submodule(module), attribute, model.get_parameter(source))
-
-
-def _same_parameter(model: nn.Module, name: str, source: str) -> bool:
-    """Whether `model` holds both parameters and they are one (a pipeline stage may hold one or a copy)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    return name in params and source in params and params[name] is params[source]
 
 
 def reduce_partial_gradients(model: nn.Module) -> None:

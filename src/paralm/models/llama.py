@@ -1,0 +1,157 @@
+"""A Llama-style decoder-only Transformer (Llama 2/3, Mistral, Qwen2 shapes), as a plain `nn.Module`.
+
+RMSNorm before attention and MLP, rotary position embeddings (RoPE), grouped-query attention through
+`F.scaled_dot_product_attention(enable_gqa=True)`, a SwiGLU MLP, no biases, a head tied to the
+embedding or not. As `paralm.models.gpt2`, it knows nothing about ranks: attention works out its head
+counts from the widths of q and k (a tensor-parallel shard holds some heads of each), blocks live in
+a `ModuleDict` keyed by layer index and `forward` skips the parts a pipeline stage lacks.
+
+RoPE takes explicit positions. Without them, attention numbers the sequence it sees from the cache's
+length: under sequence parallelism it sees the whole sequence (gathered before q, k, v), on any
+pipeline stage likewise, so the positions are the global ones wherever the sequence is cut. The
+rotation pairs dimension i with i + head_dim/2 (Hugging Face's `rotate_half` layout), so q and k
+weights map to `LlamaForCausalLM` without a permutation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paralm.models.config import ModelConfig
+from paralm.models.kv_cache import KVCache, LayerCache, attend
+from paralm.models.seeding import seed_parameter
+
+TIED = {"output.weight": "tok_embeddings.weight"}  # with model.tie_embeddings
+
+
+def ffn_hidden(config: ModelConfig, multiple_of: int = 256) -> int:
+    """SwiGLU's width: `model.ffn_hidden`, or Llama's rule (2/3 of 4·d_model, rounded up to `multiple_of`)."""
+    if config.ffn_hidden:
+        return config.ffn_hidden
+    hidden = int(2 * 4 * config.d_model / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def kv_heads(config: ModelConfig) -> int:
+    return config.n_kv_heads or config.n_head
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of `x` (batch, heads, seq, head_dim) at `positions` (seq,), computed in fp32."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.d_model // config.n_head
+        kv_width = kv_heads(config) * self.head_dim
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wk = nn.Linear(config.d_model, kv_width, bias=False)
+        self.wv = nn.Linear(config.d_model, kv_width, bias=False)
+        self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.rope_theta = config.rope_theta
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + seq, device=q.device)
+        q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
+        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_dropout(self.wo(y))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_hidden(config)
+        self.w1 = nn.Linear(config.d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, config.d_model, bias=False)
+        self.w3 = nn.Linear(config.d_model, hidden, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), positions, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights(torch.initial_seed())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """N(0, 0.02) matrices, the residual projections (wo, w2) scaled by 1/sqrt(2·n_layer), unit
+        RMSNorm gains; each parameter draws from `seed` and its full-model name (a tied head's copy as
+        the embedding), so a pipeline stage or a meta-built model initialises as the whole model."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        done: set[int] = set()
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if id(param) in done:
+                continue
+            done.add(id(param))
+            seed_parameter(seed, TIED.get(name, name) if self.config.tie_embeddings else name)
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            else:
+                std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Token ids (batch, seq) to logits (batch, seq, vocab); on a stage without the embedding `x`
+        is the previous stage's hidden states, on one without the head the hidden states are returned.
+        `positions` (seq,): the tokens' global positions (default: counted from the cache's length)."""
+        if self.tok_embeddings is not None:
+            start = cache.length if cache is not None else 0
+            if positions is None and start + x.shape[1] > self.config.block_size:
+                raise ValueError(f"{start + x.shape[1]} positions exceed block_size {self.config.block_size}")
+            x = self.drop(self.tok_embeddings(x))
+        for key, block in self.layers.items():
+            x = block(x, positions, cache.layer(int(key)) if cache is not None else None)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x

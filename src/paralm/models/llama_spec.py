@@ -1,0 +1,236 @@
+"""Llama's spec: its tensor-parallel plan, pipeline parts, closed-form counts and Hugging Face mapping.
+
+Tensor parallelism as torchtitan's Llama plan: wq, wk, wv column-wise (each rank holds n_head / tp
+query heads and n_kv_heads / tp key/value heads, so tp must divide both), wo row-wise; SwiGLU's w1
+and w3 column-wise, w2 row-wise. The embedding is row-wise over the vocabulary and the head
+column-wise with its output left sharded for `loss_parallel` (a tied head shares the embedding's
+sharding). Under sequence parallelism the RMSNorms and the residual stream are sharded along the
+sequence; RoPE runs inside attention, on the gathered sequence, at global positions.
+
+Hugging Face's `LlamaForCausalLM` is the same module under other names: its rotary layout is the
+`rotate_half` one paralm uses, so weights map one to one. Import also accepts the relatives that
+compute the same function (Mistral without a sliding window, Qwen2 without q/k/v biases).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from paralm.errors import UserError
+from paralm.models.config import ModelConfig
+from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
+from paralm.models.shape import ModelShape
+from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, StateDict
+
+
+def shape(config: ModelConfig) -> ModelShape:
+    """Llama's counts: q and o d x d, k and v d x (kv heads · head_dim), SwiGLU's three matrices,
+    two RMSNorm gains per block and a final one, no biases, no position table, a head of its own
+    unless tied."""
+    d, n, vocab = config.d_model, config.n_layer, config.vocab_size
+    kv_width, hidden = kv_heads(config) * (d // config.n_head), ffn_hidden(config)
+    head = ((vocab, d, 1),) if not config.tie_embeddings else ()
+    return ModelShape(
+        n_layer=n,
+        n_head=config.n_head,
+        n_kv_heads=kv_heads(config),
+        d_model=d,
+        block_size=config.block_size,
+        vocab_size=vocab,
+        layer_matrix_params=2 * d * d + 2 * d * kv_width + 3 * d * hidden,
+        layer_column_bias_params=0,
+        layer_replicated_params=2 * d,
+        final_norm_params=d,
+        embedding_params=vocab * d,
+        head_params=0 if config.tie_embeddings else vocab * d,
+        position_params=0,
+        matrices=((vocab, d, 1), *head, (d, d, 2 * n), (kv_width, d, 2 * n), (hidden, d, 2 * n), (d, hidden, n)),
+    )
+
+
+def check(config: ModelConfig) -> None:
+    """Shapes RoPE and grouped-query attention cannot take, each a one-line error."""
+    heads = kv_heads(config)
+    if config.n_kv_heads < 0 or config.n_head % heads:
+        raise UserError(
+            f"model.n_kv_heads = {config.n_kv_heads} must divide model.n_head = {config.n_head} "
+            "(each key/value head serves a whole group of query heads)"
+        )
+    if (config.d_model // config.n_head) % 2:
+        raise UserError(
+            f"model.d_model / model.n_head = {config.d_model // config.n_head} is odd: RoPE rotates pairs of "
+            "dimensions, so the head dimension must be even"
+        )
+    for name, value in (("rope_theta", config.rope_theta), ("norm_eps", config.norm_eps)):
+        if value <= 0:
+            raise UserError(f"model.{name} = {value} must be positive")
+    if config.ffn_hidden < 0:
+        raise UserError(f"model.ffn_hidden = {config.ffn_hidden} must be positive (or 0 for Llama's rule)")
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The DTensor plan for the parts `model` holds (a pipeline stage may lack the embedding or head)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    for key in model.layers:
+        plan |= _block_plan(f"layers.{key}.", residual, sequence_parallel)
+    if model.output is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _block_plan(prefix: str, residual: Shard | Replicate, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {}
+    for norm, part, projections, output in (
+        ("attention_norm", "attention", ("wq", "wk", "wv"), "wo"),
+        ("ffn_norm", "feed_forward", ("w1", "w3"), "w2"),
+    ):
+        if sequence_parallel:
+            plan[prefix + norm] = SequenceParallel()
+        # one gathered input shared by the column-parallel projections (their input gradients add up
+        # locally and are reduced once); positions and the cache pass as they are
+        plan[prefix + part] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
+        for name in projections:
+            plan[f"{prefix}{part}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}{part}.{output}"] = RowwiseParallel(output_layouts=residual)
+    return plan
+
+
+# --- Hugging Face ---
+
+_RENAMES = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+}
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """Arguments for `transformers.LlamaConfig` describing the same architecture."""
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=ffn_hidden(c),
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=kv_heads(c),
+        head_dim=c.d_model // c.n_head,
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.tie_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=c.dropout,
+    )
+
+
+def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `[model]` fields for a Llama-architecture `config.json`, or a one-line reason it does not map."""
+    d_model, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    block_size = hf.get("max_position_embeddings", 2048)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    qwen2 = hf.get("model_type") == "qwen2"  # q/k/v biases unless told otherwise; a window only if used
+    window = hf.get("sliding_window") if not qwen2 or hf.get("use_sliding_window") else None
+    differences = {
+        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (hf.get("attention_bias", qwen2), False),
+        "mlp_bias": (hf.get("mlp_bias", False), False),
+        "pretraining_tp": (hf.get("pretraining_tp", 1), 1),
+        "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default"),
+        "head_dim": (hf.get("head_dim") or d_model // heads, d_model // heads),
+        "sliding_window": (window if window is not None and window < block_size else None, None),
+    }
+    for name, (got, needed) in differences.items():
+        if got != needed:
+            raise UserError(
+                f"{source}: {name} = {got!r}, paralm's Llama needs {needed!r}; "
+                "paralm imports only models it computes exactly"
+            )
+    return dict(
+        family="llama",
+        n_layer=hf.get("num_hidden_layers", 32),
+        n_head=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_model=d_model,
+        block_size=block_size,
+        vocab_size=hf.get("vocab_size", 32000),
+        dropout=float(hf.get("attention_dropout", 0.0)),
+        ffn_hidden=hf.get("intermediate_size", 11008),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def _renamed(config: ModelConfig) -> list[tuple[str, str]]:
+    """(paralm name, HF name) of every tensor (a tied head left out: transformers restores it)."""
+    pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    if not config.tie_embeddings:
+        pairs.append(("output.weight", "lm_head.weight"))
+    for i in range(config.n_layer):
+        pairs += [(f"layers.{i}.{name}.weight", f"model.layers.{i}.{hf}.weight") for name, hf in _RENAMES.items()]
+    return pairs
+
+
+def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+    """HF Llama's tensors, named as `LlamaForCausalLM.save_pretrained` writes them."""
+    return {hf: sd[name].detach().contiguous() for name, hf in _renamed(config)}
+
+
+def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+    """paralm's state dict from HF Llama weights (the inverse of `to_hf`)."""
+    hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    pairs = _renamed(config)
+    expected = {h for _, h in pairs}
+    missing = sorted(expected - set(hf))
+    if missing:
+        raise UserError(f"{source}: missing weights ({', '.join(missing[:3])}...): not a Llama model paralm can load")
+    extra = sorted(set(hf) - expected - ({"lm_head.weight"} if config.tie_embeddings else set()))
+    if extra:
+        raise UserError(f"{source}: weights paralm's Llama has no place for: {', '.join(extra[:3])}")
+    out = {name: hf[h] for name, h in pairs}
+    if config.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+SPEC = ModelSpec(
+    name="llama",
+    build=Llama,
+    check=check,
+    shape=shape,
+    tensor_parallel_plan=tensor_parallel_plan,
+    blocks="layers",
+    pipeline=PipelineParts(first=("tok_embeddings",), last=("norm", "output")),
+    tied=TIED,
+    hf=HFMapping(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        config_to_hf=config_to_hf,
+        config_from_hf=config_from_hf,
+        to_hf=to_hf,
+        from_hf=from_hf,
+        related=("mistral", "qwen2"),
+    ),
+)
