@@ -65,7 +65,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+        x = x + self.attn(self.ln_1(x), cache=cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -124,7 +124,7 @@ class GPT(nn.Module):
                 positions = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.drop(self.wte(x) + self.wpe(positions))
         for key, block in self.blocks.items():
-            x = block(x, cache.layer(int(key)) if cache is not None else None)
+            x = block(x, cache=cache.layer(int(key)) if cache is not None else None)
         if self.lm_head is not None:
             x = self.lm_head(self.ln_f(x))
         return x

@@ -104,7 +104,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), positions, cache)
+        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -151,7 +151,7 @@ class Llama(nn.Module):
                 raise ValueError(f"{start + x.shape[1]} positions exceed block_size {self.config.block_size}")
             x = self.drop(self.tok_embeddings(x))
         for key, block in self.layers.items():
-            x = block(x, positions, cache.layer(int(key)) if cache is not None else None)
+            x = block(x, positions=positions, cache=cache.layer(int(key)) if cache is not None else None)
         if self.output is not None:
             x = self.output(self.norm(x))
         return x
