@@ -56,7 +56,7 @@ def test_elementwise_work_is_memory_bound_and_kernels_have_a_floor() -> None:
     floor = dataclasses.replace(IDEAL, kernel_latency=1.0)
     block = kernels.block_forward(floor, "bf16", SHAPE, 1, 1, False, 2)
     assert (block.linear, block.attention) == pytest.approx((6.0, 2.0), rel=1e-3)
-    assert block.elementwise == pytest.approx(kernels.ELEMENTWISE_KERNELS)
+    assert block.elementwise == pytest.approx(SHAPE.elementwise_kernels)
 
 
 def test_a_step_pays_one_latency_per_kernel_it_runs() -> None:
@@ -65,7 +65,7 @@ def test_a_step_pays_one_latency_per_kernel_it_runs() -> None:
     the loss's 3 kernels in forward, input and weight gradients."""
     floor = dataclasses.replace(IDEAL, kernel_latency=1.0)
     time = step_time(_layout(micro_batch_size=64), _work(), floor)
-    per_block = 3 * (6 + 2 + kernels.ELEMENTWISE_KERNELS)
+    per_block = 3 * (6 + 2 + SHAPE.elementwise_kernels)
     assert time.compute_s == pytest.approx(SHAPE.n_layer * per_block + 3 * 4, rel=1e-3)
 
 

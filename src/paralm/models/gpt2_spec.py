@@ -41,6 +41,7 @@ def shape(config: ModelConfig) -> ModelShape:
     projections and a 4x GELU MLP, a final LayerNorm, a head tied to the token embedding (LayerNorms
     keep their weight when `bias` is off)."""
     d, n, bias = config.d_model, config.n_layer, config.bias
+    layer = ((d, d, 4), (4 * d, d, 1), (d, 4 * d, 1))  # q, k, v, out; the MLP's up and down
     return ModelShape(
         n_layer=n,
         n_head=config.n_head,
@@ -55,7 +56,14 @@ def shape(config: ModelConfig) -> ModelShape:
         embedding_params=config.vocab_size * d,
         head_params=0,
         position_params=config.block_size * d,
-        matrices=((config.vocab_size, d, 1), (config.block_size, d, 1), (d, d, 4 * n), (4 * d, d, n), (d, 4 * d, n)),
+        matrices=((config.vocab_size, d, 1), (config.block_size, d, 1), *((r, c, k * n) for r, c, k in layer)),
+        layer_matrices=layer,
+        attention_saved=4 * d,  # q, k, v and the output projection's input
+        mlp_saved=8 * d,  # the GELU's input and output (the down projection's input)
+        mlp_grads=8 * d,  # the gradients of both
+        mlp_traffic=8 * d,  # the GELU reads and writes 4d
+        rotary_width=0,
+        elementwise_kernels=9,  # 2 LayerNorms, 2 residual adds, the GELU, 4 reshapes and casts
     )
 
 

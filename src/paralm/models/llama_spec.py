@@ -40,6 +40,7 @@ def shape(config: ModelConfig) -> ModelShape:
     d, n, vocab = config.d_model, config.n_layer, config.vocab_size
     kv_width, hidden = kv_heads(config) * (d // config.n_head), ffn_hidden(config)
     head = ((vocab, d, 1),) if not config.tie_embeddings else ()
+    layer = ((d, d, 2), (kv_width, d, 2), (hidden, d, 2), (d, hidden, 1))  # q, o; k, v; w1, w3; w2
     return ModelShape(
         n_layer=n,
         n_head=config.n_head,
@@ -54,7 +55,16 @@ def shape(config: ModelConfig) -> ModelShape:
         embedding_params=vocab * d,
         head_params=0 if config.tie_embeddings else vocab * d,
         position_params=0,
-        matrices=((vocab, d, 1), *head, (d, d, 2 * n), (kv_width, d, 2 * n), (hidden, d, 2 * n), (d, hidden, n)),
+        matrices=((vocab, d, 1), *head, *((r, c, k * n) for r, c, k in layer)),
+        layer_matrices=layer,
+        attention_saved=2 * d + 2 * kv_width,  # q, k, v (kv heads wide), the output projection's input
+        mlp_saved=4 * hidden,  # w1's and w3's outputs, the SiLU's, their product (w2's input)
+        mlp_grads=3 * hidden,  # the product's gradient, then those of its two factors
+        mlp_traffic=5 * hidden,  # the SiLU reads and writes one; the product reads two, writes one
+        rotary_width=d + kv_width,
+        # 2 RMSNorms, 2 residual adds, SiLU, product, 4 reshapes and casts; `rotate` on q and on k (8
+        # kernels each, 10 more for its cos and sin tables) and the positions
+        elementwise_kernels=10 + 2 * (8 + 10) + 1,
     )
 
 

@@ -29,6 +29,15 @@ class ModelShape:
     head_params: int  # the LM head's matrix; 0 when it is the token embedding (tied)
     position_params: int  # a learned position table; 0 without one
     matrices: tuple[tuple[int, int, int], ...]  # (rows, columns, how many) of every weight matrix
+    layer_matrices: tuple[tuple[int, int, int], ...]  # one block's, each with d_model on one side
+    # One block's activations in elements per token, what the planner prices its memory and elementwise
+    # time from (tensor parallelism splits each):
+    attention_saved: int  # kept for backward: q, k (rotated), v and the output projection's input
+    mlp_saved: int  # the MLP's inner tensors kept for backward
+    mlp_grads: int  # the MLP's inner gradients alive at once in its backward
+    mlp_traffic: int  # what the MLP's activation kernels read and write, forward
+    rotary_width: int  # q and k elements rotated by RoPE; 0 without it
+    elementwise_kernels: int  # kernels of a block's forward besides its matmuls and attention
 
     @cached_property
     def layer_params(self) -> int:

@@ -3,10 +3,12 @@
 A matmul of (M x K) by (K x N) takes the longer of its FLOPs at the device's peak times an efficiency
 that depends on its size (`Cluster.gemm_curve`, interpolated at the smallest of M, N, K: small
 and thin matrices keep few tensor cores busy) and its bytes at the memory bandwidth, plus one
-kernel launch (`Cluster.kernel_latency`). Elementwise work (LayerNorm, GELU, residual adds, the loss's
-softmax) is memory-bound: its bytes over the bandwidth, plus a launch per kernel. Attention is the
-fused kernel paralm's model calls (torch's scaled_dot_product_attention): two batched matmuls per
-head of (s x hd) by (hd x s), with no s x s matrix in memory.
+kernel launch (`Cluster.kernel_latency`). A block's weight matrices are the family's
+(`ModelShape.layer_matrices`: grouped-query k and v, a gated MLP's three). Elementwise work (norms,
+the MLP's activation, RoPE, residual adds, the loss's softmax) is memory-bound: its bytes over the
+bandwidth, plus a launch per kernel. Attention is the fused kernel paralm's model calls (torch's
+scaled_dot_product_attention): two batched matmuls per query head of (s x hd) by (hd x s), with no
+s x s matrix in memory (grouped-query attention shares k and v, not the work).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from dataclasses import dataclass
 from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
 
-ELEMENTWISE_KERNELS = 9  # per block forward: 2 LayerNorms, 2 residual adds, GELU, 4 reshapes / casts
+# Bytes RoPE reads and writes per rotated element: paralm's `rotate` works in fp32 (two casts up, the
+# negated half, a concatenation, two products, their sum, the cast back), about 12 fp32 passes.
+ROTARY_BYTES = 12 * 4
 
 
 def efficiency(cluster: Cluster, dtype: str, size: float) -> float:
@@ -58,7 +62,7 @@ def matmul(
 class BlockTimes:
     """Forward seconds of one block on one tensor-parallel rank, by kind of work."""
 
-    linear: float  # the six weight matmuls (backward: as much again for input, again for weight gradients)
+    linear: float  # the weight matmuls (backward: as much again for input, again for weight gradients)
     attention: float  # the fused attention kernel (backward: twice)
     elementwise: float  # memory-bound work (backward: twice)
 
@@ -87,8 +91,11 @@ def block_forward(
 ) -> BlockTimes:
     d, s, e = shape.d_model, shape.block_size, element_bytes
     tokens = sequences * s
-    linear = 4 * matmul(cluster, dtype, tokens, d / t, d, e)  # q, k, v, and out (d/t x d)
-    linear += 2 * matmul(cluster, dtype, tokens, 4 * d / t, d, e)  # MLP up, and down (4d/t x d)
+    # Each matrix splits along its side other than d_model (column- or row-parallel alike): the same
+    # FLOPs and bytes either way.
+    linear = sum(
+        count * matmul(cluster, dtype, tokens, rows * cols // d / t, d, e) for rows, cols, count in shape.layer_matrices
+    )
     head_dim = d // shape.n_head
     # The fused kernel multiplies tiles of queries and keys (s x hd by hd x s): a curve measured on thin
     # matrices is read at their smallest side, hd, as every matmul's; a square-GEMM curve at the tiles'
@@ -96,10 +103,11 @@ def block_forward(
     fused_size = head_dim if cluster.gemm_shape == "thin" else (s * s * head_dim) ** (1 / 3)
     attention = 2 * matmul(cluster, dtype, s, s, head_dim, e, count=sequences * shape.n_head / t, size=fused_size)
     seq_split = t if sp else 1
-    # LayerNorms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP;
-    # GELU reads and writes the 4h-wide activation, split by TP.
-    elementwise_bytes = e * tokens * d * (10 / seq_split + 8 / t)
-    elementwise = elementwise_bytes / cluster.memory_bandwidth + ELEMENTWISE_KERNELS * cluster.kernel_latency
+    # Norms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP; the
+    # MLP's activation and RoPE on q and k, split by TP.
+    split_bytes = e * shape.mlp_traffic + ROTARY_BYTES * shape.rotary_width
+    elementwise_bytes = tokens * (e * 10 * d / seq_split + split_bytes / t)
+    elementwise = elementwise_bytes / cluster.memory_bandwidth + shape.elementwise_kernels * cluster.kernel_latency
     return BlockTimes(linear, attention, elementwise)
 
 

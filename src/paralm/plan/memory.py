@@ -3,7 +3,8 @@
 Model states follow Rajbhandari et al. 2020 (ZeRO, sec. 3 and 5): stage 1 shards the optimizer state,
 stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` ranks. Activations
 follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, sec. 4),
-in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size.
+in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size
+and to the widths each family's `ModelShape` states (grouped-query k and v, a gated MLP's tensors).
 The total is a sum of every term alive at the start of backward, the peak of a training step.
 Gradients in the model states are those the optimizer steps with, the ZeRO paper's accounting: a
 rank's shard under ZeRO-1/2/3. What a rank holds beyond them on the way is a buffer: ZeRO-1's whole
@@ -69,6 +70,7 @@ def layer_activation_bytes(
     element_bytes: int = 2,
     dropout: bool = True,
     flash: bool = False,
+    split_width: int | None = None,
 ) -> float:
     """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, sec. 4.1-4.3).
 
@@ -78,17 +80,21 @@ def layer_activation_bytes(
     none sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 + 5as/h).
     `flash`: attention by a fused kernel (FlashAttention, Dao et al. 2022; torch's SDPA) stores no
     s x s matrix but its output and the log-sum-exp (fp32, a*s*b), as paralm's model does.
+    `split_width`: elements per token of what TP splits, attention's and the MLP's saved tensors
+    (`ModelShape.attention_saved + mlp_saved`); the paper's GPT's 12h by default.
     """
     sbh, e, mask = s * b * h, element_bytes, 1 if dropout else 0
     seq_split = t if sp else 1  # SP shards what TP alone replicates along the sequence
     if recompute == "full":
         return e * sbh / seq_split
-    # Replicated across TP ranks without SP: both LayerNorm inputs, the q/k/v input and the MLP input
-    # (4 sbh elements), and the two residual dropout masks.
+    # Replicated across TP ranks without SP: both norms' inputs (fused LayerNorm and RMSNorm kernels
+    # alike keep their input and per-token statistics, left out as in the paper; torch's composite
+    # RMSNorm on CPU also keeps its normalised output), the q/k/v input and the MLP input (4 sbh
+    # elements), and the two residual dropout masks.
     replicated = (4 * e + 2 * mask) * sbh
-    # Split by TP: Q and K, V, the attention output into the out projection (4 sbh elements), the
-    # GELU input and the down-projection input (4 + 4 sbh).
-    split = 12 * e * sbh
+    # Split by TP: Q, K, V and the out projection's input (4 sbh elements in the paper's GPT), the
+    # MLP's inner tensors (GELU input and the down-projection input, 4 + 4 sbh).
+    split = e * s * b * (12 * h if split_width is None else split_width)
     if flash:
         split += e * sbh + 4 * a * s * b  # the kernel keeps its own output and the log-sum-exp
     elif recompute == "none":
@@ -96,11 +102,15 @@ def layer_activation_bytes(
     return replicated / seq_split + split / t
 
 
-def backward_working_set(tokens: int, h: int, t: int, sp: bool, element_bytes: int) -> float:
+def backward_working_set(
+    tokens: int, h: int, t: int, sp: bool, element_bytes: int, mlp_grads: int | None = None
+) -> float:
     """Gradients alive at once inside one block's backward, beyond the stored activations: through the
-    MLP, the gradients of its output (sbh), of the GELU output and of its input (4 sbh each, split by TP).
-    The paper's counts leave these transients out; we measured them on CPU (benchmarks/planner_validation)."""
-    return element_bytes * tokens * h * (1 / (t if sp else 1) + 8 / t)
+    MLP, the gradient of its output (sbh) and `mlp_grads` inner ones per token, split by TP (a GELU's
+    output and input, 4 sbh each, by default). The paper's counts leave these transients out; we
+    measured them on CPU (benchmarks/planner_validation)."""
+    inner = 8 * h if mlp_grads is None else mlp_grads
+    return element_bytes * tokens * (h / (t if sp else 1) + inner / t)
 
 
 @dataclass(frozen=True)
@@ -133,14 +143,16 @@ class Memory:
 def rank_params(shape: ModelShape, layout: Layout, rank: Rank) -> float:
     """Parameters on one device of `rank`: TP splits the matrices, column-parallel biases and the
     vocabulary (Shoeybi et al. 2019, Megatron-LM sec. 3), and replicates norms, row-parallel biases and
-    position embeddings. With a pipeline, the tied LM head is a copy on the last rank (as Megatron)."""
+    position embeddings. An untied head is the last rank's own; with a pipeline, a tied head is a copy
+    of the embedding on the last rank (as Megatron)."""
     t = layout.tp
     layer = (shape.layer_matrix_params + shape.layer_column_bias_params) / t + shape.layer_replicated_params
     total = rank.layers * layer
     if rank.has_embedding:
         total += shape.embedding_params / t + shape.position_params
     if rank.has_head:
-        total += shape.final_norm_params + (0 if rank.has_embedding else shape.embedding_params / t)
+        tied_copy = shape.embedding_params if not shape.head_params and not rank.has_embedding else 0
+        total += shape.final_norm_params + (shape.head_params + tied_copy) / t
     return total
 
 
@@ -167,7 +179,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
         states = ModelStates(states.param_bytes, states.grad_bytes, states.optim_bytes + 8 * params)
 
     b, s = layout.pipeline_batch, shape.block_size
-    per_layer = dict(t=t, sp=sp, element_bytes=e, dropout=work.dropout, flash=True)
+    split_width = shape.attention_saved + shape.mlp_saved
+    per_layer = dict(t=t, sp=sp, element_bytes=e, dropout=work.dropout, flash=True, split_width=split_width)
     stored = layer_activation_bytes(s, b, shape.d_model, shape.n_head, **per_layer)
     checkpointed = layer_activation_bytes(s, b, shape.d_model, shape.n_head, recompute="full", **per_layer)
     n_ckpt = layout.checkpointed_blocks(rank.layers)
@@ -175,7 +188,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     in_flight = layout.schedule.in_flight(layout.pp, layout.pp_microbatches, layout.pp_virtual_stages, rank.index)
     # Backward recomputes one checkpointed block at a time: its full activations are a working set.
     recompute = stored if n_ckpt else 0.0
-    activations = per_microbatch * in_flight + recompute + backward_working_set(s * b, shape.d_model, t, sp, e)
+    working_set = backward_working_set(s * b, shape.d_model, t, sp, e, shape.mlp_grads)
+    activations = per_microbatch * in_flight + recompute + working_set
 
     embedding = (s * b * shape.d_model / (t if sp else 1) * in_flight) if rank.has_embedding and work.dropout else 0.0
     head_in_flight = layout.pp_microbatches if layout.schedule.holds_all else 1

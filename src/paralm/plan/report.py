@@ -74,10 +74,12 @@ def plans_table(plans: Sequence[Plan]) -> str:
 def summary(work: Workload, cluster: Cluster, recipe: str, overlap: bool) -> str:
     shape = work.shape
     small, large = cluster.gemm_efficiency[0], cluster.gemm_efficiency[-1]
+    kv = f" ({shape.n_kv_heads} key/value)" if shape.n_kv_heads != shape.n_head else ""
+    head = ", untied head" if shape.head_params else ""
     return "\n".join(
         [
             f"model: {shape.params / 1e9:.3g}B parameters ({shape.n_layer} layers, d_model {shape.d_model}, "
-            f"{shape.n_head} heads, context {shape.block_size}, vocab {shape.vocab_size}), "
+            f"{shape.n_head} heads{kv}, context {shape.block_size}, vocab {shape.vocab_size}{head}), "
             f"{shape.flops_per_token / 1e9:,.4g} GFLOP per token (6N + 12Lds)",
             f"cluster: {cluster.name}, {cluster.devices} devices ({cluster.nodes} x {cluster.devices_per_node}), "
             f"{cluster.memory_bytes / GiB:.1f} GiB each, {cluster.peak(work.dtype) / 1e12:.4g} TFLOP/s "

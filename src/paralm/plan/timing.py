@@ -240,9 +240,11 @@ def powersgd_elements(shape: ModelShape, rank: int) -> float:
 
 
 def _embedding_sync(layout: Layout, work: Workload, cluster: Cluster) -> float:
-    """With a pipeline the tied embedding lives on the first and last rank: their gradients are summed
-    (Megatron-LM does so; V-shaped schedules hold both ends on one rank and need nothing)."""
-    if layout.pp == 1 or layout.schedule.v_shape:
+    """With a pipeline a tied embedding lives on the first and last rank: their gradients are summed
+    (Megatron-LM does so; V-shaped schedules hold both ends on one rank and need nothing). An untied
+    head has its own weights: nothing to sum."""
+    tied = work.shape.head_params == 0 and work.shape.embedding_params > 0
+    if layout.pp == 1 or layout.schedule.v_shape or not tied:
         return 0.0
     grads = work.shape.embedding_params / layout.tp * DTYPE_BYTES[work.reduce_dtype]
     return comm.all_reduce(grads, 2, cluster.link(*group_strides(layout)["pp"]))
