@@ -55,6 +55,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         top_k=args.top_k,
         seed=args.seed,
         checkpoint=args.checkpoint,
+        use_cache=not args.no_kv_cache,
     )
     print(text)
     return 0
@@ -100,7 +101,8 @@ def _verify(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"--nproc {args.nproc}: verify compares layouts of at least 2 ranks with one process")
     only = [word.strip() for word in (args.only or "").split(",") if word.strip()]
     with tempfile.TemporaryDirectory(prefix="paralm-verify-", dir=args.work) as work:
-        verdicts = verify(args.nproc, only, Path(work), echo_err)
+        families = [word.strip() for word in args.family.split(",")] if args.family else None
+        verdicts = verify(args.nproc, only, Path(work), echo_err, families)
     print(table(verdicts))
     return 0 if all(v.holds for v in verdicts) else 1
 
@@ -217,9 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token")
     generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all")
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument(
+        "--no-kv-cache", action="store_true", help="recompute the whole context for every token (same output, slower)"
+    )
     generate.set_defaults(func=_generate)
 
-    export = verbs.add_parser("export", help="write a run's model as a Hugging Face transformers GPT-2 folder")
+    export = verbs.add_parser("export", help="write a run's model as a Hugging Face transformers folder (GPT-2 or Llama)")
     export.add_argument("--run", required=True, help="run directory")
     export.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
     export.add_argument("--out", required=True, help="new output folder (config.json, model.safetensors, tokenizer)")
@@ -236,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--nproc", type=int, default=4, help="ranks available (layouts use up to this many)")
     check.add_argument("--only", help="comma-separated words: layouts whose name contains one, e.g. zero,tp,pp")
+    check.add_argument("--family", help="comma-separated model families to verify (default: every family)")
     check.add_argument("--work", help="folder for the runs' temporary directory (default: the system's)")
     check.set_defaults(func=_verify)
 

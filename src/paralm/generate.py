@@ -19,6 +19,7 @@ def generate_from_run(
     top_k: int,
     seed: int = 0,
     checkpoint: str | None = None,
+    use_cache: bool = True,
 ) -> str:
     """The prompt followed by `max_new_tokens` sampled tokens, decoded to text."""
     if max_new_tokens < 0 or temperature < 0 or top_k < 0:
@@ -31,5 +32,5 @@ def generate_from_run(
     generator = torch.Generator(device=loaded.device).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     block_size = loaded.config.model.block_size
-    out = generate(loaded.model, idx, max_new_tokens, block_size, temperature, top_k or None, generator)
+    out = generate(loaded.model, idx, max_new_tokens, block_size, temperature, top_k or None, generator, use_cache)
     return tokenizer.decode(out[0].tolist())

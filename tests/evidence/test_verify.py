@@ -9,10 +9,24 @@ from paralm.evidence.verify import Matrix, check_exact, table, verify
 
 @pytest.mark.slow
 def test_verify_on_two_ranks_holds_for_sharded_tensor_and_pipeline_layouts(tmp_path):
-    verdicts = verify(2, ["zero3", "tp2-sp", "pp2-interleaved_1f1b"], tmp_path, echo=lambda _: None)
+    verdicts = verify(2, ["zero3", "tp2-sp", "pp2-interleaved_1f1b"], tmp_path, echo=lambda _: None, families=["gpt2"])
     assert [v.layout for v in verdicts] == ["zero3", "tp2-sp", "pp2-interleaved_1f1b"]
     for v in verdicts:
         assert v.holds and max(v.loss_gap, v.grad_norm_gap, v.weight_gap) <= 1e-5, table(verdicts)
+
+
+@pytest.mark.slow
+def test_verify_holds_a_reduced_llama_matrix_with_grouped_query_attention_under_tp(tmp_path):
+    only = ["ddp", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b", "ps-sync", "local-sgd"]
+    verdicts = verify(2, only, tmp_path, echo=lambda _: None, families=["llama"])
+    assert {v.family for v in verdicts} == {"llama"}
+    assert [v.layout for v in verdicts] == [
+        "ddp", "ddp-compression-none", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b",
+        "ps-sync-1s1w", "local-sgd-h1",
+    ]  # fmt: skip
+    for v in verdicts:
+        gaps = [g for g in (v.loss_gap, v.grad_norm_gap, v.weight_gap) if g is not None]
+        assert v.holds and len(gaps) >= 2 and max(gaps) <= 1e-5, table(verdicts)
 
 
 @pytest.mark.slow
@@ -39,11 +53,12 @@ def test_the_matrix_grows_with_the_ranks_and_only_selects_by_name():
 def test_verify_refuses_one_rank_and_selections_that_select_nothing(capsys):
     assert main(["verify", "--nproc", "1"]) == 2
     assert main(["verify", "--nproc", "2", "--only", "nothing-like-this"]) == 2
-    assert capsys.readouterr().err.count("paralm: error:") == 2
+    assert main(["verify", "--nproc", "2", "--family", "bert"]) == 2
+    assert capsys.readouterr().err.count("paralm: error:") == 3
 
 
 @pytest.mark.slow
 def test_verify_holds_the_parameter_servers_and_diloco_to_their_guarantees(tmp_path):
-    verdicts = verify(2, ["ps", "diloco"], tmp_path, echo=lambda _: None)
+    verdicts = verify(2, ["ps", "diloco"], tmp_path, echo=lambda _: None, families=["gpt2"])
     assert [v.layout for v in verdicts] == ["ps-sync-1s1w", "diloco-lr1-m0", "ps-async-1w"]
     assert all(v.holds and v.weight_gap <= 1e-5 for v in verdicts), table(verdicts)

@@ -22,10 +22,15 @@ def _toml(value: object) -> str:
 GLOBAL_BATCH = 24  # divisible by every data-parallel degree of up to 4 ranks, and by 6 (8 ranks, 2 servers)
 STEPS = 4
 EXACT_TOLERANCE = 1e-5  # fp32 sums in another order: measured ~1e-7 on losses and weights (tests/parallel)
-# 4 layers: two chunks per rank on two pipeline stages (looped and V schedules)
-MODEL = ModelConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True)
-BASE_ARGS = [
-    *(f"--model.{name}={_toml(value)}" for name, value in vars(MODEL).items()),
+# 4 layers: two chunks per rank on two pipeline stages (looped and V schedules). The Llama has grouped-
+# query attention that tp = 2 shards (2 kv heads) and an untied head.
+MODELS = {
+    "gpt2": ModelConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True),
+    "llama": ModelConfig(
+        family="llama", n_layer=4, n_head=4, n_kv_heads=2, d_model=32, ffn_hidden=64, block_size=32, vocab_size=256
+    ),
+}
+COMMON_ARGS = [
     "--data.tokenizer=byte",
     f"--train.steps={STEPS}",
     "--train.seed=7",
@@ -61,10 +66,12 @@ class Layout:
         model_parallel = int(self.settings.get("parallel.tp", 1)) * int(self.settings.get("parallel.pp", 1))
         return (self.ranks - self.servers) // model_parallel
 
-    def args(self) -> list[str]:
-        """Overrides on top of `BASE_ARGS`; the micro-batch keeps the global batch at `GLOBAL_BATCH`."""
+    def args(self, model: ModelConfig) -> list[str]:
+        """`model`'s fields and the common settings, then the layout's; the micro-batch keeps the global
+        batch at `GLOBAL_BATCH`."""
         batch = {"train.micro_batch_size": GLOBAL_BATCH // self.dp}
-        return [*BASE_ARGS, *(f"--{k}={_toml(v)}" for k, v in (batch | self.settings).items())]
+        model_args = [f"--model.{name}={_toml(value)}" for name, value in vars(model).items()]
+        return [*model_args, *COMMON_ARGS, *(f"--{k}={_toml(v)}" for k, v in (batch | self.settings).items())]
 
     def matches(self, only: list[str]) -> bool:
         return not only or any(word in self.tags or name_matches(self.name, word) for word in only)

@@ -21,7 +21,7 @@ from paralm.errors import UserError
 from paralm.evidence.matrix import (
     EXACT_TOLERANCE,
     GLOBAL_BATCH,
-    MODEL,
+    MODELS,
     Layout,
     exact_layouts,
     name_matches,
@@ -42,6 +42,7 @@ class Trained:
 
 @dataclass
 class Verdict:
+    family: str
     layout: str
     ranks: int
     loss_gap: float | None
@@ -54,17 +55,20 @@ class Verdict:
 
 
 class Matrix:
-    """Trains layouts into a work folder, each once, and the one-process reference they are held to."""
+    """Trains one family's model in layouts into a work folder, each once, and the one-process
+    reference they are held to."""
 
-    def __init__(self, work: Path, echo: Callable[[str], None]) -> None:
-        self.work, self.echo, self._done = work, echo, {}
+    def __init__(self, work: Path, echo: Callable[[str], None], family: str = "gpt2") -> None:
+        self.work, self.echo, self._done = work / family, echo, {}
+        self.family, self.model = family, MODELS[family]
 
     def train(self, layout: Layout) -> Trained:
         if layout.name not in self._done:
             started = time.perf_counter()
-            run = train_run(Run(layout.name, layout.ranks, layout.args(), self.work / _slug(layout.name)))
+            run = train_run(Run(layout.name, layout.ranks, layout.args(self.model), self.work / _slug(layout.name)))
             self._done[layout.name] = Trained(step_rows(run.dir), final_weights(run.dir))
-            self.echo(f"  trained {layout.name} on {layout.ranks} rank(s) in {time.perf_counter() - started:.0f} s")
+            seconds = time.perf_counter() - started
+            self.echo(f"  trained {self.family} {layout.name} on {layout.ranks} rank(s) in {seconds:.0f} s")
         return self._done[layout.name]
 
     def reference(self) -> Trained:
@@ -81,7 +85,9 @@ def check_exact(matrix: Matrix, layout: Layout) -> Verdict:
     norm = None if layout.grad_norm_unchecked else max_gap(ref.series("grad_norm"), run.series("grad_norm"))
     holds = max(loss, weights, norm or 0.0) <= EXACT_TOLERANCE
     guarantee = "equals one process" + (f" (grad norm not compared: {layout.grad_norm_unchecked})" * bool(norm is None))
-    return Verdict(layout.name, layout.ranks, loss, norm, weights, f"{EXACT_TOLERANCE:.0e}", holds, guarantee)
+    return Verdict(
+        matrix.family, layout.name, layout.ranks, loss, norm, weights, f"{EXACT_TOLERANCE:.0e}", holds, guarantee
+    )
 
 
 def _within(matrix: Matrix, layout: Layout, against: Trained | None, bound: float, guarantee: str) -> Verdict:
@@ -89,9 +95,8 @@ def _within(matrix: Matrix, layout: Layout, against: Trained | None, bound: floa
     against = against or matrix.reference()
     run = matrix.train(layout)
     loss, weights = max_gap(against.series("loss"), run.series("loss")), weight_gap(against.weights, run.weights)
-    return Verdict(
-        layout.name, layout.ranks, loss, None, weights, f"{bound:.0e}", max(loss, weights) <= bound, guarantee
-    )
+    holds = max(loss, weights) <= bound
+    return Verdict(matrix.family, layout.name, layout.ranks, loss, None, weights, f"{bound:.0e}", holds, guarantee)
 
 
 # name: (settings, bound on |Δloss| and |Δweight| vs one process, what it guarantees)
@@ -133,7 +138,8 @@ def powersgd_warm_start(matrix: Matrix, n: int) -> Verdict:
     compressed = bool(sent[0]) and bool(sent[-1]) and sent[-1] < sent[0] / 2
     measured = f"bytes/step {sent[0]} -> {sent[-1]}" if compressed else f"bytes/step {sent}: not compressed"
     return Verdict(
-        "powersgd", n, plain, None, None, f"{EXACT_TOLERANCE:.0e}", plain <= EXACT_TOLERANCE and compressed,
+        matrix.family, "powersgd", n, plain, None, None, f"{EXACT_TOLERANCE:.0e}",
+        plain <= EXACT_TOLERANCE and compressed,
         f"plain all-reduce before step {start} (losses 0..{start} exact), then < 1/2 the bytes", measured,
     )  # fmt: skip
 
@@ -142,9 +148,9 @@ def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     ratio, bucket_mb = 0.01, 25.0
     settings = {"comm.compression": "topk", "comm.topk_ratio": ratio, "comm.bucket_mb": bucket_mb}
     run = matrix.train(Layout("topk", n, settings))
-    numel = model_shape(MODEL).params
+    numel = model_shape(matrix.model).params
     with torch.device("meta"):  # only the count of parameter tensors
-        tensors = len(list(model_spec(MODEL).build(MODEL).parameters()))
+        tensors = len(list(model_spec(matrix.model).build(matrix.model).parameters()))
     buckets = math.ceil(4 * numel / (bucket_mb * 2**20)) + 1  # DDP's first bucket is a small one
     per_rank_values = math.ceil(ratio * numel) + buckets  # sum over buckets of ceil(ratio x bucket size)
     bound = n * (n - 1) * 8 * per_rank_values  # each rank's values + int32 indices reach the n - 1 others
@@ -154,7 +160,7 @@ def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     sent = run.series("comm_bytes")
     holds = all(s is not None and 0 < s <= bound + rebuilt * (step == 1) for step, s in enumerate(sent))
     return Verdict(
-        "topk", n, None, None, None, f"{bound:,} B/step", holds,
+        matrix.family, "topk", n, None, None, None, f"{bound:,} B/step", holds,
         f"each rank sends at most k = ceil({ratio} x size) values per bucket (step 1: and DDP's bucket order)",
         f"bytes/step {sent}",
     )  # fmt: skip
@@ -169,25 +175,39 @@ APPROXIMATE: dict[str, Callable[[Matrix, int], Verdict]] = {
 }
 
 
-def verify(nproc: int, only: list[str], work: Path, echo: Callable[[str], None] = print) -> list[Verdict]:
-    """Train and check the selected layouts; the reference must itself have trained (loss went down)."""
-    matrix = Matrix(work, echo)
+def verify(
+    nproc: int,
+    only: list[str],
+    work: Path,
+    echo: Callable[[str], None] = print,
+    families: list[str] | None = None,
+) -> list[Verdict]:
+    """Train and check the selected layouts for each family (default: all); each family's reference
+    must itself have trained (loss went down)."""
+    families = families or list(MODELS)
+    unknown = [family for family in families if family not in MODELS]
+    if unknown:
+        raise UserError(f"--family {','.join(unknown)} is not a model family: use one of {', '.join(MODELS)}")
     exact = [layout for layout in exact_layouts(nproc) if layout.matches(only)]
     approximate = [check for name, check in APPROXIMATE.items() if not only or any(name_matches(name, w) for w in only)]
     if not exact and not approximate:
         raise UserError(f"--only {','.join(only)} selects no layout for {nproc} ranks")
     echo(f"paralm verify: {len(exact)} exact layouts and {len(approximate)} approximate methods on {nproc} ranks, "
-         f"global batch {GLOBAL_BATCH}")  # fmt: skip
-    reference = matrix.reference()
-    losses = reference.series("loss")
-    if not losses[-1] < losses[0]:
-        raise RuntimeError(f"the one-process reference did not train (losses {losses}): nothing to compare with")
-    verdicts = [check_exact(matrix, layout) for layout in exact]
-    return verdicts + [check(matrix, nproc) for check in approximate]
+         f"global batch {GLOBAL_BATCH}, families {', '.join(families)}")  # fmt: skip
+    verdicts: list[Verdict] = []
+    for family in families:
+        matrix = Matrix(work, echo, family)
+        losses = matrix.reference().series("loss")
+        if not losses[-1] < losses[0]:
+            raise RuntimeError(f"the one-process {family} reference did not train (losses {losses})")
+        verdicts += [check_exact(matrix, layout) for layout in exact]
+        verdicts += [check(matrix, nproc) for check in approximate]
+    return verdicts
 
 
 def table(verdicts: list[Verdict]) -> str:
     header = (
+        "family",
         "layout",
         "ranks",
         "max |Δloss|",
@@ -200,8 +220,8 @@ def table(verdicts: list[Verdict]) -> str:
     rows = [header]
     for v in verdicts:
         extra = f"{v.guarantee}{'; ' + v.measured if v.measured else ''}"
-        rows.append((v.layout, str(v.ranks), _num(v.loss_gap), _num(v.grad_norm_gap), _num(v.weight_gap), v.tolerance,
-                     "holds" if v.holds else "FAILS", extra))  # fmt: skip
+        gaps = (_num(v.loss_gap), _num(v.grad_norm_gap), _num(v.weight_gap))
+        rows.append((v.family, v.layout, str(v.ranks), *gaps, v.tolerance, "holds" if v.holds else "FAILS", extra))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows]
     held = sum(v.holds for v in verdicts)

@@ -34,22 +34,22 @@ class LayerCache:
 
 
 class KVCache:
-    """Every layer's cache, by layer index; `length` is how many positions have been fed."""
+    """Every layer's cache, by layer index, each made at its first use; `length` is how many positions
+    have been fed (the layers' common length)."""
 
-    def __init__(self, n_layer: int, capacity: int) -> None:
-        self.layers = [LayerCache(capacity) for _ in range(n_layer)]
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.layers: dict[int, LayerCache] = {}
 
     def layer(self, index: int) -> LayerCache:
-        return self.layers[index]
+        return self.layers.setdefault(index, LayerCache(self.capacity))
 
     @property
     def length(self) -> int:
-        return self.layers[0].length
+        return next(iter(self.layers.values())).length if self.layers else 0
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache | None, dropout: float
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache | None, dropout: float) -> torch.Tensor:
     """Causal attention of q over k and v (batch, heads, seq, head_dim), after the cache's entries if any.
 
     Grouped-query attention when k and v have fewer heads than q. With a cache, the new queries sit

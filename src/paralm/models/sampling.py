@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paralm.models.kv_cache import KVCache
+
 
 @torch.no_grad()
 def generate(
@@ -16,12 +18,20 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> torch.Tensor:
     """Extend `idx` (batch, seq) by sampling; temperature 0 is greedy, top_k limits the choice.
 
-    The context is the last `block_size` tokens: the longest the model was trained on."""
+    The context is the last `block_size` tokens: the longest the model was trained on. With
+    `use_cache`, keys and values are kept while the whole sequence fits in the context, so each step
+    feeds only the new token; once it slides past `block_size`, every step runs the whole window
+    again, as without the cache (the results are the same either way)."""
+    cache = KVCache(block_size) if use_cache else None
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -block_size:])[:, -1, :]
+        if cache is not None and idx.shape[1] <= block_size:
+            logits = model(idx[:, cache.length :], cache=cache)[:, -1, :]
+        else:
+            logits = model(idx[:, -block_size:])[:, -1, :]
         if temperature == 0:
             next_token = logits.argmax(dim=-1, keepdim=True)
         else:
