@@ -1,10 +1,12 @@
-"""Shared by the benchmark scripts: run `paralm train` as a user would and summarise its metrics."""
+"""Shared by the benchmark scripts: run `paralm train` as a user would and summarise its metrics; the
+machine a table was measured on."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -71,3 +73,24 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
     print("-+-".join("-" * w for w in widths))
     for row in rows:
         print(line.format(*row))
+
+
+# CPU flags that decide whether bf16 matmuls run natively (AVX512-BF16, AMX) or are emulated (AVX2 only)
+BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def machine() -> list[str]:
+    """Lines to print with a table: the CPU, its bf16-relevant flags (each yes or no) and the load, as
+    `uptime` prints it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+    marks = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_FLAGS) if flags else "no /proc/cpuinfo"
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return [f"cpu: {name}, {os.cpu_count()} cores; {marks}", f"uptime: {load}"]
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """This environment with torch's (OpenMP's and MKL's) thread count set, for a child process."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

@@ -13,13 +13,12 @@ embedding small, so the stages are near-equal slices of the blocks.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from common import print_table
+from common import machine, print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.multiprocess import run_ranks  # noqa: E402
@@ -71,7 +70,9 @@ def main() -> None:
             for rank, held, grown in run_ranks(_rank, pp, Path(tmp), sections):
                 row = [pp, rank, f"{held / MiB:,.1f}", f"{_whole_bytes(model) / MiB:,.1f}", f"{grown / MiB:,.1f}"]
                 rows.append([*row, f"{grown / held:.2f}"])
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores; {_cpu_flags()}")
+    print(f"torch {torch.__version__}")
+    for line in machine():
+        print(line)
     print(f"model: {model}")
     print_table(
         ["pp", "rank", "stage params MiB", "whole model MiB", "start-up RSS growth MiB", "growth / stage"], rows
@@ -89,12 +90,6 @@ def _whole_bytes(model: dict) -> int:
         with torch.device("meta"):
             return 4 * sum(p.numel() for p in GPT(GPTConfig(**model)).parameters())
     return 4 * model_shape(ModelConfig(**model)).params
-
-
-def _cpu_flags() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return "cpu flags: " + " ".join(f for f in wanted if f in flags.split())
 
 
 if __name__ == "__main__":

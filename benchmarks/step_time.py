@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import print_table
+from common import machine, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -33,15 +33,6 @@ LAYOUTS = {
     "tp": ["--parallel.tp=2"],
     "pp": ["--parallel.pp=2", "--parallel.pp_microbatches=2"],
 }
-
-
-def machine() -> list[str]:
-    """The CPU flags line and the load, as `uptime` prints it."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    flags = next((line for line in lines if line.startswith("flags")), "flags: (no /proc/cpuinfo)")
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return [" ".join(flags.split()), f"uptime: {load}"]
 
 
 def modes() -> dict[str, list[str]]:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import print_table
+from common import print_table, thread_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, BLOCK = 12, 256
@@ -76,7 +76,7 @@ def nanogpt_ms(nanogpt: Path, dataset: str, threads: int, steps: int, warmup: in
         result = subprocess.run(
             [sys.executable, "train.py", *args],
             cwd=nanogpt,
-            env=_env(threads),
+            env=thread_env(threads),
             capture_output=True,
             text=True,
             check=True,
@@ -109,13 +109,9 @@ def paralm_ms(extra: list[str], threads: int, nproc: int, steps: int, warmup: in
             f"--nproc={nproc}",
             *extra,
         ]
-        subprocess.run(command, env=_env(threads), capture_output=True, text=True, check=True)
+        subprocess.run(command, env=thread_env(threads), capture_output=True, text=True, check=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return 1000 * statistics.median(row["step_time_s"] for row in rows[warmup:])
-
-
-def _env(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def variants(compile: bool, dtypes: list[str]) -> list[tuple[str, str, int, int, list[str] | None]]:

@@ -1,8 +1,10 @@
-"""Shared test helpers: a tiny config and reading a run's metrics."""
+"""Shared test helpers: a tiny config, reading a run's metrics, a model with sharper attention."""
 
 import dataclasses
 import json
 from pathlib import Path
+
+import torch
 
 from paralm.config import Config
 from paralm.parallel.dims import ParallelDims
@@ -38,3 +40,16 @@ def runtime_for(config: Config, runtime: Runtime) -> Runtime:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@torch.no_grad()
+def widened(model: torch.nn.Module, std: float = 0.1) -> torch.nn.Module:
+    """`model` with every matrix redrawn from N(0, std), from the global seed.
+
+    At initialisation (std 0.02) attention is nearly uniform and the next token hardly depends on the
+    context: a wrong position or RoPE base moves logits by 1e-5 to 1e-4 and greedy text is one token
+    repeated. Wider matrices make attention sharp, so such mistakes show."""
+    for param in model.parameters():
+        if param.dim() == 2:
+            param.normal_(0.0, std)
+    return model

@@ -1,15 +1,13 @@
 """`paralm export` gives a transformers GPT-2 that computes what paralm's model computes, from a checkpoint of
 any layout; `paralm import` brings a transformers GPT-2 back as a run that fine-tunes.
 
-Tolerance: the two implementations run the same fp32 operations (HF's Conv1D is addmm on the transposed
-weight, its attention the same scaled softmax), so logits agree to rounding, ~1e-6; we allow 1e-4 as the
-issue states. Weights are moved without arithmetic, so an import of an export is bit-identical.
+The checks every family's export and import pass, and their tolerance (logits within 1e-4, imports
+bit-identical), are in `tests/hf_helpers.py`; Llama's are in `tests/test_export_llama.py`.
 """
 
 import json
 
 import pytest
-import torch
 
 from paralm.cli import main
 from paralm.data.shards import read_meta
@@ -17,32 +15,23 @@ from paralm.data.tokenizer import load_tokenizer
 from paralm.export import byte_tokenizer
 from paralm.generate import generate_from_run
 from paralm.load_config import load_config
-from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
-from paralm.train.optim import build_optimizer
 from paralm.train.trainer import train
-from tests.helpers import read_metrics, tiny_config
+from tests.helpers import tiny_config
+from tests.hf_helpers import (
+    EXPORTED_FILES,
+    assert_a_saved_model_imports_with_the_same_logits_and_trains,
+    assert_byte_tokenizer_and_greedy_text,
+    assert_import_is_the_same_model_and_fine_tunes,
+    assert_import_refused,
+    assert_same_logits,
+    export,
+    save_random,
+)
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import train_each
 
 transformers = pytest.importorskip("transformers")
-LOGIT_TOLERANCE = 1e-4
-
-
-def assert_same_logits(run_dir, hf_dir) -> None:
-    ours = load_trained_model(run_dir).model
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    x = torch.randint(
-        0, ours.config.vocab_size, (2, ours.config.block_size), generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():
-        diff = (theirs(x).logits - ours(x)).abs().max().item()
-    assert diff <= LOGIT_TOLERANCE, diff
-
-
-def export(run_dir, out) -> None:
-    assert main(["export", "--run", str(run_dir), "--out", str(out)]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +44,9 @@ def one_process_run(tmp_path_factory):
 def test_export_loads_in_transformers_with_the_same_logits_tokens_and_greedy_text(one_process_run, tmp_path):
     out = tmp_path / "hf"
     export(one_process_run, out)
-    assert {p.name for p in out.iterdir()} == {
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    }
+    assert {p.name for p in out.iterdir()} == EXPORTED_FILES
     assert_same_logits(one_process_run, out)
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    text = "déf f(x):\n\treturn x ≥ 0"
-    assert tokenizer(text)["input_ids"] == list(text.encode())
-    assert tokenizer.decode(list(text.encode())) == text
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    prompt = "The "
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    with torch.no_grad():
-        greedy = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ours = generate_from_run(str(one_process_run), prompt, max_new_tokens=12, temperature=0, top_k=0)
-    assert tokenizer.decode(greedy[0].tolist()) == ours
+    assert_byte_tokenizer_and_greedy_text(one_process_run, out)
 
 
 @pytest.mark.slow
@@ -89,40 +61,17 @@ def test_a_tensor_parallel_checkpoint_exports_whole(tmp_path):
 
 def test_import_of_an_export_is_the_same_model_and_fine_tunes(one_process_run, tmp_path):
     export(one_process_run, tmp_path / "hf")
-    run = tmp_path / "imported"
-    assert (
-        main(["import", "--hf", str(tmp_path / "hf"), "--out", str(run), "--train.steps=3", "--log.tensorboard=false"])
-        == 0
-    )
-    original, imported = load_trained_model(one_process_run).model, load_trained_model(run).model
-    for (name, a), b in zip(original.state_dict().items(), imported.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    config = load_config(run / "config.toml")
-    optimizer = build_optimizer(imported, config.train)
-    load_checkpoint(latest_checkpoint(run), TrainingState(imported, optimizer, SyncStrategy()))
-    assert config.train.optimizer == "adamw" and len(optimizer.state) == len(list(imported.parameters()))
-    assert all(state["step"].item() == 0 for state in optimizer.state.values())  # AdamW starts afresh
-
-    assert main(["train", "--config", str(run / "config.toml"), f"--run.dir={run}"]) == 0
-    rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert latest_checkpoint(run).name == "step_000003"
+    assert_import_is_the_same_model_and_fine_tunes(one_process_run, tmp_path / "hf", tmp_path / "imported")
 
 
 def _save_random_gpt2(path, **overrides) -> None:
     kwargs = dict(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2, activation_function="gelu")
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(**(kwargs | overrides))).save_pretrained(path)
+    save_random(path, transformers.GPT2LMHeadModel, transformers.GPT2Config, **(kwargs | overrides))
 
 
 def test_a_random_transformers_gpt2_imports_with_the_same_logits_and_trains(tmp_path):
     _save_random_gpt2(tmp_path / "gpt2")
-    run = tmp_path / "run"
-    args = ["--train.steps=2", "--train.micro_batch_size=2", "--train.eval_samples=4", "--log.tensorboard=false"]
-    assert main(["import", "--hf", str(tmp_path / "gpt2"), "--out", str(run), *args]) == 0
-    assert_same_logits(run, tmp_path / "gpt2")
-    assert main(["train", "--config", str(run / "config.toml")]) == 0
-    assert len(read_metrics(run)) == 2
+    assert_a_saved_model_imports_with_the_same_logits_and_trains(tmp_path / "gpt2", tmp_path / "run")
 
 
 def test_the_byte_tokenizer_maps_every_byte_to_itself():
@@ -143,11 +92,7 @@ def test_the_byte_tokenizer_maps_every_byte_to_itself():
 )
 def test_models_that_do_not_map_are_refused_in_one_line(tmp_path, capsys, change, fragment):
     _save_random_gpt2(tmp_path / "gpt2", **change)
-    capsys.readouterr()  # transformers' own progress output
-    assert main(["import", "--hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert fragment in err and err.count("\n") == 1
-    assert list(tmp_path.iterdir()) == [tmp_path / "gpt2"]  # nothing half-written
+    assert_import_refused(tmp_path / "gpt2", tmp_path / "run", capsys, fragment)
 
 
 def test_weights_without_biases_are_refused(tmp_path, capsys):

@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.set_defaults(func=_generate)
 
-    export = verbs.add_parser("export", help="write a run's model as a Hugging Face transformers folder (GPT-2 or Llama)")
+    export = verbs.add_parser(
+        "export", help="write a run's model as a Hugging Face transformers folder (GPT-2 or Llama)"
+    )
     export.add_argument("--run", required=True, help="run directory")
     export.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
     export.add_argument("--out", required=True, help="new output folder (config.json, model.safetensors, tokenizer)")

@@ -14,7 +14,7 @@ from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from paralm.train.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
 
 
 @dataclass
@@ -41,6 +41,7 @@ def load_trained_model(
     if path is None:
         raise UserError(f"{run_dir} has no complete checkpoint yet: train it first (paralm train --run.dir={run_dir})")
     config = load_config(path / CONFIG_FILE, overrides)
+    check_compatible(path, config.model)  # an override may not change the model (its family, its shape)
     device = select_device(0)
     model = model_spec(config.model).build(config.model).to(device)
     load_checkpoint(path, model)

@@ -133,6 +133,8 @@ _RENAMES = {
     "feed_forward.w2": "mlp.down_proj",
     "feed_forward.w3": "mlp.up_proj",
 }
+
+
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """Arguments for `transformers.LlamaConfig` describing the same architecture."""
     return dict(

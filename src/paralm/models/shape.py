@@ -51,8 +51,10 @@ class ModelShape:
 
     @cached_property
     def flops_params(self) -> int:
-        """N of the FLOP convention: all parameters but the position table, which multiplies nothing."""
-        return self.params - self.position_params
+        """N of the FLOP convention: the parameters that multiply activations. Lookup tables do not: the
+        position table, and the token embedding when the head has a matrix of its own (an untied head;
+        a tied one multiplies by the embedding)."""
+        return self.params - self.position_params - (self.embedding_params if self.head_params else 0)
 
     @cached_property
     def flops_per_token(self) -> int:

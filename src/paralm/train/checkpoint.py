@@ -224,7 +224,16 @@ def checkpoint_model_config(path: Path) -> ModelConfig:
 
 
 def check_compatible(path: Path, model: ModelConfig) -> None:
+    """A one-line error, before any tensor is read, when the checkpoint's model is not the one `model`
+    builds: another family (each checkpoint's `config.toml` records it; one written before families
+    existed reads as gpt2, the only one then), or another shape."""
     saved = checkpoint_model_config(path)
+    if saved.family != model.family:
+        raise UserError(
+            f"checkpoint {path} holds a {saved.family} model and this config builds a {model.family} one "
+            f"(model.family = {saved.family!r} there, {model.family!r} here): a checkpoint loads only into "
+            "its own family"
+        )
     differing = [
         f"model.{f.name} = {getattr(saved, f.name)!r} there, {getattr(model, f.name)!r} here"
         for f in dataclasses.fields(ModelConfig)
