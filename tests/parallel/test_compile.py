@@ -28,11 +28,14 @@ def _compiled_run(config: Config) -> tuple[dict[str, torch.Tensor], int]:
     return weights, counters["stats"]["unique_graphs"]
 
 
-def _config(run_dir, ranks: int, compile: bool, parallel: dict | None = None, **train) -> Config:
+def _config(
+    run_dir, ranks: int, compile: bool, parallel: dict | None = None, model: dict | None = None, **train
+) -> Config:
     return tiny_config(
         run_dir,
         train={**SGD, "micro_batch_size": 8 // ranks, "compile": compile, **train},
         parallel=parallel or {},
+        model=model or {},
     )
 
 
@@ -62,3 +65,14 @@ def test_compiled_training_equals_eager_in_one_process_ddp_and_zero3(tmp_path):
         for weights, graphs in results:
             assert graphs > 0, name
             _assert_same(eager.run.dir, reference, config.run.dir, weights)
+
+
+@pytest.mark.slow
+def test_a_compiled_llama_trains_as_the_eager_one_in_zero3_with_activation_checkpointing(tmp_path):
+    llama = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 48}
+    eager = _config(tmp_path / "eager", 1, compile=False, model=llama)
+    reference = train_and_gather([eager])[0]
+    config = _config(tmp_path / "zero3-ac", 2, True, {"zero": 3}, llama, activation_checkpointing="full")
+    for weights, graphs in run_ranks(_compiled_run, 2, tmp_path / "zero3-ac", config):
+        assert graphs > 0
+        _assert_same(eager.run.dir, reference, config.run.dir, weights)

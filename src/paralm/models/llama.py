@@ -40,15 +40,19 @@ def kv_heads(config: ModelConfig) -> int:
     return config.n_kv_heads or config.n_head
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of `x` (batch, heads, seq, head_dim) at `positions` (seq,), computed in fp32."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (seq, head_dim) of the rotation angles at `positions`, in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
-    first, second = x.float().chunk(2, dim=-1)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x` (batch, heads, seq, head_dim): dimension i turns with i + head_dim/2."""
+    first, second = x.chunk(2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -72,7 +76,8 @@ class Attention(nn.Module):
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + seq, device=q.device)
-        q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
+        cos, sin = rotary_tables(positions, self.head_dim, self.rope_theta)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
