@@ -1,12 +1,9 @@
 """GPT-2's spec: its tensor-parallel plan, pipeline parts, closed-form counts and Hugging Face mapping.
 
-Tensor parallelism (Megatron-LM; Korthikanti et al. 2022 for sequence parallelism): per block q, k
-and v column-wise (each rank holds n_head / tp whole heads), the output projection row-wise; the MLP's
-up projection column-wise, its down projection row-wise. The embedding is row-wise over the
-vocabulary and the head column-wise with its output left sharded for `loss_parallel`: both shard the
-same `(vocab, d_model)` weight along dim 0, so the tied weight stays one parameter. Under sequence
-parallelism the LayerNorms and the residual stream are sharded along the sequence, and the learned
-position table stays replicated, each rank adding the positions its sequence shard holds.
+Tensor parallelism is Megatron-LM's (`paralm.models.tensor_plan`): per block q, k and v column-wise
+(each rank holds n_head / tp whole heads), the output projection row-wise; the MLP's up projection
+column-wise, its down projection row-wise. Under sequence parallelism the learned position table stays
+replicated, each rank adding the positions its sequence shard holds.
 
 Hugging Face GPT-2 stores linear weights as `Conv1D` (in × out, transposed) and fuses q, k, v into
 `c_attn`; everything else is a rename. Only configurations that compute what paralm's GPT computes
@@ -20,13 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import PrepareModuleOutput
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
@@ -34,6 +25,7 @@ from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT, TIED
 from paralm.models.shape import ModelShape
 from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, StateDict
+from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan
 
 
 def shape(config: ModelConfig) -> ModelShape:
@@ -67,37 +59,20 @@ def shape(config: ModelConfig) -> ModelShape:
     )
 
 
+_NAMES = DecoderNames(
+    embedding="wte",
+    blocks="blocks",
+    parts=(BlockPart("ln_1", "attn", ("wq", "wk", "wv"), "wo"), BlockPart("ln_2", "mlp", ("fc",), "proj")),
+    final_norm="ln_f",
+    head="lm_head",
+)
+
+
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The DTensor plan for the parts `model` holds (a pipeline stage may lack the embedding or head)."""
-    residual = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
-    plan: dict[str, ParallelStyle] = {}
-    if model.wte is not None:
-        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-        if sequence_parallel:
-            plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    for key in model.blocks:
-        plan |= _block_plan(f"blocks.{key}.", residual, sequence_parallel)
-    if model.lm_head is not None:
-        if sequence_parallel:
-            plan["ln_f"] = SequenceParallel()
-        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
-    return plan
-
-
-def _block_plan(prefix: str, residual: Shard | Replicate, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {}
-    for norm, part, projections, output in (
-        ("ln_1", "attn", ("wq", "wk", "wv"), "wo"),
-        ("ln_2", "mlp", ("fc",), "proj"),
-    ):
-        if sequence_parallel:
-            plan[prefix + norm] = SequenceParallel()
-        # one DTensor input shared by q, k and v: their input gradients add up locally and are
-        # all-reduced (or reduce-scattered) once, not once per projection
-        plan[prefix + part] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
-        for name in projections:
-            plan[f"{prefix}{part}.{name}"] = ColwiseParallel()
-        plan[f"{prefix}{part}.{output}"] = RowwiseParallel(output_layouts=residual)
+    """Megatron's plan; under sequence parallelism each rank adds the positions its sequence shard holds."""
+    plan = decoder_plan(model, _NAMES, sequence_parallel)
+    if sequence_parallel and model.wpe is not None:
+        plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     return plan
 
 

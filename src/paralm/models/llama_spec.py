@@ -1,11 +1,9 @@
 """Llama's spec: its tensor-parallel plan, pipeline parts, closed-form counts and Hugging Face mapping.
 
-Tensor parallelism as torchtitan's Llama plan: wq, wk, wv column-wise (each rank holds n_head / tp
-query heads and n_kv_heads / tp key/value heads, so tp must divide both), wo row-wise; SwiGLU's w1
-and w3 column-wise, w2 row-wise. The embedding is row-wise over the vocabulary and the head
-column-wise with its output left sharded for `loss_parallel` (a tied head shares the embedding's
-sharding). Under sequence parallelism the RMSNorms and the residual stream are sharded along the
-sequence; RoPE runs inside attention, on the gathered sequence, at global positions.
+Tensor parallelism as torchtitan's Llama plan (`paralm.models.tensor_plan`): wq, wk, wv column-wise
+(each rank holds n_head / tp query heads and n_kv_heads / tp key/value heads, so tp must divide both),
+wo row-wise; SwiGLU's w1 and w3 column-wise, w2 row-wise. RoPE runs inside attention, on the
+gathered sequence, at global positions.
 
 Hugging Face's `LlamaForCausalLM` is the same module under other names: its rotary layout is the
 `rotate_half` one paralm uses, so weights map one to one. Import also accepts the relatives that
@@ -17,13 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
@@ -31,6 +22,7 @@ from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
 from paralm.models.shape import ModelShape
 from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, StateDict
+from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan
 
 
 def shape(config: ModelConfig) -> ModelShape:
@@ -88,36 +80,20 @@ def check(config: ModelConfig) -> None:
         raise UserError(f"model.ffn_hidden = {config.ffn_hidden} must be positive (or 0 for Llama's rule)")
 
 
+_NAMES = DecoderNames(
+    embedding="tok_embeddings",
+    blocks="layers",
+    parts=(
+        BlockPart("attention_norm", "attention", ("wq", "wk", "wv"), "wo"),
+        BlockPart("ffn_norm", "feed_forward", ("w1", "w3"), "w2"),
+    ),
+    final_norm="norm",
+    head="output",
+)
+
+
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The DTensor plan for the parts `model` holds (a pipeline stage may lack the embedding or head)."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    for key in model.layers:
-        plan |= _block_plan(f"layers.{key}.", residual, sequence_parallel)
-    if model.output is not None:
-        if sequence_parallel:
-            plan["norm"] = SequenceParallel()
-        plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
-    return plan
-
-
-def _block_plan(prefix: str, residual: Shard | Replicate, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {}
-    for norm, part, projections, output in (
-        ("attention_norm", "attention", ("wq", "wk", "wv"), "wo"),
-        ("ffn_norm", "feed_forward", ("w1", "w3"), "w2"),
-    ):
-        if sequence_parallel:
-            plan[prefix + norm] = SequenceParallel()
-        # one gathered input shared by the column-parallel projections (their input gradients add up
-        # locally and are reduced once); positions and the cache pass as they are
-        plan[prefix + part] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
-        for name in projections:
-            plan[f"{prefix}{part}.{name}"] = ColwiseParallel()
-        plan[f"{prefix}{part}.{output}"] = RowwiseParallel(output_layouts=residual)
-    return plan
+    return decoder_plan(model, _NAMES, sequence_parallel)
 
 
 # --- Hugging Face ---

@@ -1,0 +1,69 @@
+"""The Megatron-LM tensor-parallel plan of a pre-norm decoder, from a family's submodule names.
+
+Per block, each part (attention, MLP) gathers its input once, shards its input projections
+column-wise (whole heads, or slices of the hidden width, per rank) and its output projection
+row-wise; under sequence parallelism its norm and the residual stream stay sharded along the
+sequence (Korthikanti et al. 2022). The embedding is row-wise over the vocabulary and the head
+column-wise with its output left sharded for `loss_parallel`, so a tied weight (both shard dim 0 of
+the same `(vocab, d_model)` matrix) stays one parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+@dataclass(frozen=True)
+class BlockPart:
+    """One residual branch of a block: its norm, the module it feeds, the column-parallel input
+    projections and the row-parallel output projection (names inside the module)."""
+
+    norm: str
+    module: str
+    inputs: tuple[str, ...]
+    output: str
+
+
+@dataclass(frozen=True)
+class DecoderNames:
+    embedding: str
+    blocks: str
+    parts: tuple[BlockPart, ...]
+    final_norm: str
+    head: str
+
+
+def decoder_plan(model: nn.Module, names: DecoderNames, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan for the parts `model` holds (a pipeline stage may lack the embedding or the head)."""
+    residual = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, names.embedding) is not None:
+        plan[names.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    for key in model.get_submodule(names.blocks):
+        prefix = f"{names.blocks}.{key}."
+        for part in names.parts:
+            if sequence_parallel:
+                plan[prefix + part.norm] = SequenceParallel()
+            # one gathered input shared by the column-parallel projections: their input gradients add
+            # up locally and are reduced once; keyword arguments (positions, a cache) pass as they are
+            plan[prefix + part.module] = PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+            )
+            for name in part.inputs:
+                plan[f"{prefix}{part.module}.{name}"] = ColwiseParallel()
+            plan[f"{prefix}{part.module}.{part.output}"] = RowwiseParallel(output_layouts=residual)
+    if getattr(model, names.head) is not None:
+        if sequence_parallel:
+            plan[names.final_norm] = SequenceParallel()
+        plan[names.head] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    return plan
