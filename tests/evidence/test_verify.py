@@ -17,7 +17,7 @@ def test_verify_on_two_ranks_holds_for_sharded_tensor_and_pipeline_layouts(tmp_p
 
 @pytest.mark.slow
 def test_verify_holds_a_reduced_llama_matrix_with_grouped_query_attention_under_tp(tmp_path):
-    only = ["ddp", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b", "ps-sync", "local-sgd"]
+    only = ["ddp", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b", "ps-sync-1s1w", "local-sgd-h1"]
     verdicts = verify(2, only, tmp_path, echo=lambda _: None, families=["llama"])
     assert {v.family for v in verdicts} == {"llama"}
     assert [v.layout for v in verdicts] == [
