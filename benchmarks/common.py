@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from paralm.config import Config
+from paralm.hardware import cpu_flags, cpu_name
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
 
@@ -82,10 +82,7 @@ BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 def machine() -> list[str]:
     """Lines to print with a table: the CPU, its bf16-relevant flags (each yes or no) and the load, as
     `uptime` prints it."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+    name, flags = cpu_name(), cpu_flags()
     marks = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_FLAGS) if flags else "no /proc/cpuinfo"
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return [f"cpu: {name}, {os.cpu_count()} cores; {marks}", f"uptime: {load}"]

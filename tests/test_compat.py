@@ -39,3 +39,19 @@ def test_a_functional_collectives_group_resolves_by_name(tmp_path):
         assert group.size() == 1 and group.rank() == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_fused_optimizer_skips_a_flagged_step_on_the_device():
+    param = torch.nn.Parameter(torch.ones(3))
+    fused = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1, fused=True)
+    assert compat.takes_skip_flag(fused)
+    assert not compat.takes_skip_flag(torch.optim.AdamW([param], lr=0.1, foreach=True))
+    param.grad = torch.ones(3)
+    fused.step()
+    weights, moments = param.detach().clone(), {k: v.clone() for k, v in fused.state[param].items()}
+    param.grad = torch.full((3,), float("nan"))
+    compat.step_unless_flagged(fused, torch.ones(()))  # skipped: weights, moments and step count as they were
+    assert torch.equal(param, weights) and all(torch.equal(fused.state[param][k], v) for k, v in moments.items())
+    param.grad = torch.ones(3)
+    compat.step_unless_flagged(fused, torch.zeros(()))
+    assert not torch.equal(param, weights) and fused.state[param]["step"].item() == 2

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
-from paralm.errors import ERRORS_TO_LAUNCHER_ENV, USER_ERROR_EXIT_CODE, Interrupted, UserError
+from paralm.errors import USER_ERROR_EXIT_CODE, Interrupted, UserError, to_launcher
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.parallel.launch import launch_local_workers, running_under_launcher
+    from paralm.parallel.lifeline import die_with_parent, running_under_launcher, started_by_launcher
+
+    if started_by_launcher():  # before the seconds of importing torch: its launcher may die meanwhile
+        die_with_parent()
+    from paralm.parallel.launch import launch_local_workers
     from paralm.plan.auto import train_config
     from paralm.train.trainer import train
 
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print_once("paralm: interrupted")
         return 130
+    except Exception as e:  # a bug: its traceback follows; under --nproc the launcher learns when it happened
+        to_launcher(f"{type(e).__name__}: {e}")
+        raise
 
 
 def _print_once(line: str) -> None:
@@ -301,11 +306,7 @@ def _print_once(line: str) -> None:
 
 def _report_user_error(line: str) -> None:
     """On stderr, or, in a worker of `paralm train --nproc`, to the launcher, which prints it once."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if os.environ.get(ERRORS_TO_LAUNCHER_ENV) and error_file:
-        with open(error_file, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
-    else:
+    if not to_launcher(line):
         print(line, file=sys.stderr, flush=True)
 
 

@@ -5,6 +5,8 @@ does the job in torch 2.13.
 
 from __future__ import annotations
 
+import torch
+
 # DDP semantics built on FSDP2, the only data parallelism that takes DTensor (tensor-parallel)
 # parameters and pipeline stages; `DistributedDataParallel` takes neither, and it has no public path.
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -27,6 +29,8 @@ __all__ = [
     "flatten_mesh",
     "replicate",
     "resolve_process_group",
+    "step_unless_flagged",
+    "takes_skip_flag",
 ]
 
 
@@ -47,3 +51,23 @@ def resolve_process_group(group_name: str) -> ProcessGroup:
     """The group a functional collective names (its ops take a group name, not a group, and the byte
     counter needs its size and this rank's place); `_resolve_process_group` is the only lookup."""
     return _resolve_process_group(group_name)
+
+
+def takes_skip_flag(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` reads a skip flag on the device: PyTorch's fused Adam, AdamW and SGD
+    kernels (every group `fused`) take GradScaler's `found_inf` and, where it is 1, leave parameters,
+    moments and step counts as they were, so the host never reads it. The attribute is undocumented (no
+    public API hands an optimizer such a flag); `_step_supports_amp_scaling`, GradScaler's own test, is
+    missed by an optimizer built from fused groups without `fused=True` (ZeRO-1's inner one)."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW | torch.optim.SGD) and fused
+
+
+def step_unless_flagged(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """One step of an optimizer `takes_skip_flag` accepts, a no-op on the device where `flag` (a float32
+    scalar on the parameters' device) is 1: the attribute GradScaler sets for the step's duration."""
+    optimizer.found_inf = flag
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf

@@ -1,8 +1,12 @@
 """The one exception type for mistakes a user can fix (bad config, missing file, corrupt checkpoint).
 
 The CLI turns it into a single readable line and exit code 2; anything else is a bug and keeps its
-traceback.
+traceback. Under `paralm train --nproc` a worker hands either to the launcher too (`to_launcher`).
 """
+
+import json
+import os
+import time
 
 USER_ERROR_EXIT_CODE = 2
 
@@ -22,3 +26,27 @@ class Interrupted(Exception):
 # Under `paralm train --nproc`, workers hand a user error's line to the launcher (through torchrun's
 # per-worker error file) instead of printing it, so the job prints it once.
 ERRORS_TO_LAUNCHER_ENV = "PARALM_ERRORS_TO_LAUNCHER"
+# The field of a worker's error file that holds when it failed, to the microsecond (torchrun's own
+# `timestamp` is whole seconds, too coarse to tell which of two ranks failed first).
+FAILED_AT_FIELD = "failed_at"
+_failed_at: list[float] = []
+
+
+def note_failure() -> float:
+    """When this process first failed: the first call's time. A rank cleaning up after its failure (leaving
+    the process group) can take longer than the peers that failure brings down take to fail."""
+    if not _failed_at:
+        _failed_at.append(time.time())
+    return _failed_at[0]
+
+
+def to_launcher(message: str) -> bool:
+    """In a worker of `paralm train --nproc`, write torchrun's error file: the message and when this rank
+    failed, which the launcher orders the ranks' failures by. False elsewhere."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not (os.environ.get(ERRORS_TO_LAUNCHER_ENV) and error_file):
+        return False
+    failed_at = note_failure()
+    with open(error_file, "w") as f:
+        json.dump({"message": message, "timestamp": int(failed_at), FAILED_AT_FIELD: failed_at}, f)
+    return True

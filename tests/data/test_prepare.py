@@ -103,3 +103,47 @@ def test_a_folder_that_is_not_a_dataset_is_never_replaced(corpus, tmp_path):
     prepare_dataset([str(corpus)], str(tmp_path / "ds"), "byte", 4096, 0.1)
     prepare_dataset([str(corpus)], str(tmp_path / "ds"), "byte", 4096, 0.2)  # an earlier dataset is replaced
     assert read_meta(tmp_path / "ds")["val_fraction"] == 0.2
+
+
+def test_a_meta_json_paralm_did_not_write_keeps_the_folder(tmp_path, capsys):
+    """The command line the issue names: one line, exit 2, the folder as it was."""
+    from paralm.cli import main
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "meta.json").write_text('{"mine": true}\n')
+    (mine / "keep.txt").write_text("keep\n")
+    (tmp_path / "in.txt").write_text("some text\n" * 200)
+    code = main(["data", "prepare", "--input", str(tmp_path / "in.txt"), "--out", str(mine)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "did not write" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt", "meta.json"]
+    assert (mine / "meta.json").read_text() == '{"mine": true}\n'
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+
+
+def test_a_dataset_with_a_file_of_the_users_is_not_replaced(corpus, tmp_path):
+    out = tmp_path / "ds"
+    prepare_dataset([str(corpus)], str(out), "byte", 0, 0.1)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="also holds 'notes.txt'"):
+        prepare_dataset([str(corpus)], str(out), "byte", 0, 0.2)
+    assert (out / "notes.txt").read_text() == "mine" and read_meta(out)["val_fraction"] == 0.1
+
+
+def test_datasets_prepared_before_the_marker_are_still_read_and_replaced(corpus, tmp_path):
+    out = tmp_path / "ds"
+    prepare_dataset([str(corpus)], str(out), "bpe", 300, 0.1)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta.pop("written_by") == "paralm data prepare"
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))  # byte for byte what the older version wrote
+    assert TokenDataset(out, "train", 8).vocab_size == meta["vocab_size"]
+    prepare_dataset([str(corpus)], str(out), "byte", 0, 0.2)
+    assert read_meta(out)["val_fraction"] == 0.2 and not (out / "tokenizer.json").exists()
+    meta = read_meta(out)
+    meta.pop("written_by")
+    meta["extra"] = 1  # an unmarked meta.json with a field paralm never wrote is not paralm's
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="did not write"):
+        prepare_dataset([str(corpus)], str(out), "byte", 0, 0.1)

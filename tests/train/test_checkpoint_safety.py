@@ -1,8 +1,10 @@
 """A checkpoint never runs code, and a damaged one is detected, never loaded."""
 
+import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -144,3 +146,25 @@ def test_pruning_keeps_the_highest_steps_past_a_million(tmp_path):
         write_manifest(folder)
     _prune(root / "step_1000000", keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_1000000", "step_999999"]
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_storage_paths_out_of_the_checkpoint_are_refused_before_reading(good_run, tmp_path, where):
+    """A crafted `.metadata` points a storage entry at a file beside the checkpoint (a faithful copy of
+    the shard, so a reader that followed it would load happily): refused, naming the checkpoint."""
+    checkpoint = _copy_checkpoint(good_run, tmp_path)
+    shard = _largest_shard(checkpoint)
+    outside = tmp_path / "x"
+    shard.rename(outside)
+    target = "../x" if where == "parent" else str(outside)
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own file
+    storage = metadata.storage_data
+    moved = [index for index, info in storage.items() if info.relative_path == shard.name]
+    assert moved
+    for index in moved:
+        storage[index] = dataclasses.replace(storage[index], relative_path=target)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_manifest(checkpoint)  # a matching manifest: the reader itself must refuse
+    with pytest.raises(UserError, match=rf"checkpoint {re.escape(str(checkpoint))} refers to data at .*x'"):
+        _resume(tmp_path, checkpoint)
+    assert not (tmp_path / "victim").exists()  # nothing trained, nothing written

@@ -14,8 +14,17 @@ from tqdm import tqdm
 
 from paralm.config import DataConfig
 from paralm.data.corpus import default_corpus, expand_inputs, read_documents
-from paralm.data.shards import FORMAT_VERSION, META_FILE, SHARD_TOKENS, ShardWriter, read_meta, token_dtype
-from paralm.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from paralm.data.shards import (
+    FORMAT_VERSION,
+    MARKER,
+    META_FILE,
+    SHARD_TOKENS,
+    ShardWriter,
+    read_meta,
+    token_dtype,
+    written_by_paralm,
+)
+from paralm.data.tokenizer import BPE_FILE, BPETokenizer, ByteTokenizer, Tokenizer
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
 
@@ -55,6 +64,7 @@ def write_dataset(
             writer.close()
         tokenizer.save(tmp)
         meta = {
+            MARKER[0]: MARKER[1],
             "format": FORMAT_VERSION,
             "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size,
@@ -75,11 +85,31 @@ def write_dataset(
 
 
 def check_replaceable(out: Path) -> None:
-    """Only an earlier prepared dataset (or an empty folder) is replaced: never a user's other files."""
+    """Only a dataset paralm prepared (or an empty folder) is replaced: never a folder with a `meta.json`
+    of someone else's, nor one holding a file the dataset does not list."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file: name a folder for the dataset")
-    if out.is_dir() and any(out.iterdir()) and not (out / META_FILE).is_file():
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not (out / META_FILE).is_file():
         raise UserError(f"--out {out} holds files and is not a prepared dataset: choose an empty or new folder")
+    try:
+        meta = json.loads((out / META_FILE).read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not written_by_paralm(meta):
+        raise UserError(
+            f"--out {out} holds a {META_FILE} that paralm did not write: not replacing the folder; "
+            "choose an empty or new folder"
+        )
+    shards = meta.get("shard_tokens")
+    listed = {META_FILE, BPE_FILE, *(shards if isinstance(shards, dict) else {})}
+    others = sorted(p.name for p in out.iterdir() if p.name not in listed or not p.is_file())
+    if others:
+        raise UserError(
+            f"--out {out} is a prepared dataset but also holds {others[0]!r}, which paralm did not write: "
+            "move it out or choose another folder"
+        )
 
 
 def _replace_dir(new: Path, target: Path) -> None:

@@ -2,7 +2,9 @@
 
 A prepared dataset is a folder with `meta.json`, the tokenizer (if it has state) and, per split,
 files `train_000000.bin`, ... of at most `SHARD_TOKENS` tokens each. Memory-mapping means a rank
-touches only the pages of the windows it samples, whatever the corpus size.
+touches only the pages of the windows it samples, whatever the corpus size. `meta.json` carries
+paralm's marker (`MARKER`), so `data prepare --out` knows a folder it may replace from someone
+else's folder that merely holds a `meta.json`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from paralm.errors import UserError
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 SHARD_TOKENS = 100_000_000
+# The field only paralm writes into a dataset's meta.json (from the version that added it on).
+MARKER = ("written_by", "paralm data prepare")
+# Every field an unmarked format-1 meta.json had, no more and no fewer: how a dataset prepared before
+# the marker is still recognised as paralm's.
+UNMARKED_FIELDS = frozenset(
+    {"format", "tokenizer", "vocab_size", "dtype", "documents", "val_fraction", "splits", "shard_tokens"}
+)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -73,6 +82,15 @@ def read_meta(directory: Path) -> dict:
     if meta.get("format") != FORMAT_VERSION:
         raise UserError(f"{path} has format {meta.get('format')!r}, expected {FORMAT_VERSION}: prepare it again")
     return meta
+
+
+def written_by_paralm(meta: object) -> bool:
+    """Whether a parsed meta.json is one paralm's `data prepare` wrote: it has the marker, or (written
+    before the marker) exactly the fields that version wrote, at format 1."""
+    if not isinstance(meta, dict):
+        return False
+    key, value = MARKER
+    return meta.get(key) == value or (set(meta) == UNMARKED_FIELDS and meta.get("format") == FORMAT_VERSION)
 
 
 class TokenDataset:

@@ -14,7 +14,10 @@
 `CompressedAllReduce` is the sync strategy of a compressed DDP: it checkpoints the hooks' state
 (PowerSGD's error feedback, warm-start P and Q and step counter; top-k's residuals), which differs
 across ranks, under `rank<r>.` keys, cut by parameter (`paralm.parallel.bucket_state`) so that DDP's rebucketing
-after a resume does not misplace them; resuming needs the same rank count (else refused).
+after a resume does not misplace them; resuming needs the same rank count (else refused). The hooks run
+inside backward, before anyone knows whether the step will be skipped (a NaN/inf gradient, an fp16
+overflow): they keep the state they replace until `settle` (`paralm.parallel.bucket_state`), so a skipped
+step leaves the error feedback, Q and PowerSGD's step counter as they were instead of NaN.
 """
 
 import math
@@ -78,6 +81,20 @@ class CompressedAllReduce(SyncStrategy):
         if isinstance(self.hook_state, CountedPowerSGD) and "iter" in mine:
             self.hook_state.powersgd.iter = int(mine["iter"])
 
+    def settle(self, skipped: torch.Tensor, rescale: float = 1.0) -> None:
+        """Top-k: on the device (`torch.where`). PowerSGD: on the host, because PyTorch's hook branches on
+        its step counter there and already waits for the device every step (`torch.cuda.synchronize`)."""
+        state, flag = self.hook_state, skipped
+        if isinstance(state, CountedPowerSGD):
+            flag = bool(skipped)
+            if flag and state.before is not None:
+                state.powersgd.iter = state.before[0]
+                state.powersgd.rng.set_state(state.before[1])
+            state.before = None
+        state.buckets.settle(flag)
+        if rescale != 1.0:  # the hooks ran on scaled gradients: what they keep is in the loss scale's units
+            state.buckets.scale_(rescale, "error" if isinstance(state, CountedPowerSGD) else "residual")
+
 
 def register_compression(
     ddp: DistributedDataParallel, group: dist.ProcessGroup, stats: CommStats, comm: CommConfig
@@ -100,7 +117,7 @@ def register_compression(
             start_powerSGD_iter=comm.powersgd_start_step,
         )
         tables = {"error": (psgd.error_dict, buffer_layout(names)), "q": (psgd.q_memory_dict, q_layout(names, psgd))}
-        state = CountedPowerSGD(psgd, stats, BucketState(tables))
+        state = CountedPowerSGD(psgd, stats, BucketState(tables, in_place=("q",)))  # Q is re-orthogonalised in place
     ddp.register_comm_hook(state, powersgd_hook if comm.compression == "powersgd" else topk_hook)
     device = next(ddp.module.parameters()).device
     return CompressedAllReduce(state, dist.get_rank(group), dist.get_world_size(group), device)
@@ -119,6 +136,7 @@ class CountedPowerSGD:
     powersgd: powersgd.PowerSGDState
     stats: CommStats
     buckets: BucketState  # error feedback and warm-start Q by parameter, for layout changes and checkpoints
+    before: tuple[int, Any] | None = None  # step counter and random state before this step's hooks
 
 
 def compressed_matrices(bucket: dist.GradBucket, psgd: powersgd.PowerSGDState) -> list[tuple[int, int, int, int]]:
@@ -162,6 +180,9 @@ def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
             psgd.p_memory_dict[index] = torch.empty(p_numel, dtype=bucket.buffer().dtype, device=bucket.buffer().device)
     else:
         psgd.p_memory_dict.pop(index, None)
+    state.buckets.stash(index)
+    if state.before is None:  # the step's first bucket
+        state.before = (psgd.iter, psgd.rng.get_state())
     before = psgd.total_numel_after_compression
     with state.stats.paused():
         future = powersgd.powerSGD_hook(psgd, bucket)
@@ -178,6 +199,7 @@ def powersgd_hook(state: CountedPowerSGD, bucket: dist.GradBucket) -> Future:
 def topk_hook(state: HookState, bucket: dist.GradBucket) -> Future:
     buffer = bucket.buffer()
     state.buckets.align(bucket)  # DDP rebuilds its buckets once, after the first step
+    state.buckets.stash(bucket.index())  # `kept` replaces the residual: the old one is kept until `settle`
     residual = state.residuals.get(bucket.index())
     if residual is not None:
         buffer.add_(residual)

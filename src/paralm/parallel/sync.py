@@ -2,14 +2,14 @@
 
 A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per
 step `after_backward` (gradients are final), `clip_grad_norm_` (where the gradients are by then: ZeRO-1
-holds them on its shards) and `after_step` (the optimizer has stepped: local SGD and DiLoCo average
-there). Its own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol)
-travels in every checkpoint beside the model and optimizer, under `sync`, as one flat dict: per-rank
-state such as error-feedback residuals or a replica's optimizer moments belongs there, keyed by rank
-so DCP keeps every rank's copy (equal keys are saved from one rank only). Before loading, the
-strategy sees the checkpoint's entries (`before_load`): it refuses a layout it cannot continue exactly
-and allocates what it creates lazily; its keys the checkpoint lacks are not loaded (a checkpoint of
-another mode starts them fresh).
+holds them on its shards), `settle` (the optimizer stepped or skipped the step: what this step's
+communication changed is kept, or put back) and `after_step` (local SGD and DiLoCo average there). Its
+own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol) travels in every checkpoint
+beside the model and optimizer, under `sync`, as one flat dict: per-rank state such as error-feedback
+residuals or a replica's optimizer moments belongs there, keyed by rank so DCP keeps every rank's copy
+(equal keys are saved from one rank only). Before loading, the strategy sees the checkpoint's entries
+(`before_load`): it refuses a layout it cannot continue exactly and allocates what it creates lazily;
+its keys the checkpoint lacks are not loaded (a checkpoint of another mode starts them fresh).
 
 The base class is all-reduce data parallelism, where DDP or FSDP sync gradients inside backward and
 nothing is left to do after it.
@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from paralm import compat
 from paralm.parallel import grad_norm
 from paralm.parallel.runtime import Runtime
 
@@ -86,8 +87,14 @@ class SyncStrategy(Stateful):
         are on `model`'s parameters, however these are split over ranks (`copies`: tied weights' copies)."""
         return grad_norm.clip_grad_norm_(model, max_norm, runtime, copies)
 
+    def settle(self, skipped: torch.Tensor, rescale: float = 1.0) -> None:
+        """The optimizer stepped, or skipped this step where `skipped` (a bool on this rank's device, read on
+        the host only where the strategy cannot do without): state this step changed is kept, or left as it
+        was before the step, so a skipped step changes nothing. `rescale`: fp16's loss scale, new over old;
+        state kept in scaled units (error feedback) follows it. Nothing here: all-reduce keeps no state."""
+
     def after_step(self, steps_done: int, last: bool) -> None:
-        """The optimizer has stepped `steps_done` times in all; `last`: the run ends after this step."""
+        """The loop has finished its `steps_done`-th step (skipped or not); `last`: the run ends after it."""
 
     def before_load(self, saved: dict[str, Any]) -> None:
         """`saved`: the checkpoint's entries (DCP's flat names and metadata). Raise a `UserError` if they
@@ -98,3 +105,18 @@ class SyncStrategy(Stateful):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to restore: all-reduce keeps no state of its own."""
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`optimizer.step()` unless `skip` (a bool on the device). Fused kernels on the flag's device take it
+    there, so the host never waits for it; other optimizers (foreach or single-tensor kernels, parameters
+    offloaded to the CPU) have no such input and the host reads it. Optimizers that wrap another (ZeRO-1's)
+    define `step_unless` and pass the flag on."""
+    if hasattr(optimizer, "step_unless"):
+        optimizer.step_unless(skip)
+    elif compat.takes_skip_flag(optimizer) and all(
+        p.device == skip.device for group in optimizer.param_groups for p in group["params"]
+    ):
+        compat.step_unless_flagged(optimizer, skip.float())
+    elif not skip.item():
+        optimizer.step()

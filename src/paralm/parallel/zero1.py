@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import SyncStrategy, TrainingState
+from paralm.parallel.sync import SyncStrategy, TrainingState, step_unless
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -46,9 +46,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
+        self._pass_on_hyperparameters()
+        self.inner.step()
+
+    @torch.no_grad()
+    def step_unless(self, skip: torch.Tensor) -> None:
+        """`step` unless `skip`, decided where the inner optimizer can (`paralm.parallel.sync.step_unless`)."""
+        self._pass_on_hyperparameters()
+        step_unless(self.inner, skip)
+
+    def _pass_on_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update({k: v for k, v in outer.items() if k != "params"})  # e.g. this step's learning rate
-        self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

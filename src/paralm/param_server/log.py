@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from paralm.config import Config
-from paralm.hardware import device_peak_flops
+from paralm.data.sampler import BatchLayout
+from paralm.hardware import device_peak_flops, startup_notes
 from paralm.models.registry import model_shape
 from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import HEADER_BYTES, Endpoint, Kind, server_device
@@ -22,8 +23,11 @@ from paralm.train.optim import learning_rate
 
 
 class ServerLog:
-    def __init__(self, config: Config, runtime: Runtime, shard: ServerShard, link: Endpoint, update_batch: int) -> None:
-        self.config, self.shard, self.link, self.update_batch = config, shard, link, update_batch
+    def __init__(
+        self, config: Config, runtime: Runtime, shard: ServerShard, link: Endpoint, layout: BatchLayout
+    ) -> None:
+        self.config, self.shard, self.link, self.layout = config, shard, link, layout
+        self.update_batch = layout.global_batch
         self.run_dir = Path(config.run.dir)
         peak = device_peak_flops(runtime.device, config.precision.dtype)
         # MFU over the devices that compute: the workers (the servers only apply updates)
@@ -36,22 +40,24 @@ class ServerLog:
         self.device = server_device(config.sync, runtime.device)
         self.logger = open_run_log(config, shard.version)
         self.logger.message(banner(self._describe(runtime), shard.version, config.train.steps))
+        for note in startup_notes(runtime.device, config.precision.dtype):
+            self.logger.message(note)
         self.last_time = self.start_time = time.perf_counter()
         self.first_version = shard.version
 
     def _describe(self, runtime: Runtime) -> str:
-        s, t, workers = self.config.sync, self.config.train, runtime.dims.dp
-        per_push = t.grad_accum * t.micro_batch_size
+        s, t, b = self.config.sync, self.config.train, self.layout
         how = (
-            f"asynchronous (max staleness {s.max_staleness}), {per_push} sequences per update"
+            f"asynchronous (max staleness {s.max_staleness}), {b.global_batch} sequences per update"
             + ("; validation and checkpoints at the end only" if t.eval_every or self.config.checkpoint.every else "")
             if s.ps_async
-            else f"synchronous, global batch {self.update_batch} = {workers} x {per_push} sequences"
+            else f"synchronous, global batch {b.global_batch} = {b.dp_size} x {b.grad_accum} x {b.micro_batch_size} "
+            "sequences"
         )
         return (
             f"parameter server, {model_shape(self.config.model).flops_params / 1e6:.2f}M parameters on "
             f"{runtime.servers} "
-            f"server(s), {workers} worker(s) on {runtime.device.type}, {how}"
+            f"server(s), {runtime.dims.dp} worker(s) on {runtime.device.type}, {how}"
         )
 
     def row(self, loss: float, grad_norm: float, server_traffic: float) -> dict[str, Any]:

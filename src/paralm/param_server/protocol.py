@@ -148,12 +148,14 @@ def send_object(obj: Any, dst: int, tag: int, group: dist.ProcessGroup | None) -
     dist.send(data, dst, group=group, tag=tag)
 
 
-def recv_object(src: int, tag: int, group: dist.ProcessGroup | None) -> Any:
+def recv_object(src: int, tag: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    """What `send_object` sent, its tensors on `device` (the receiver's: unmapped, they would land on
+    the device they were saved from, another server's GPU)."""
     length = torch.zeros(1, dtype=torch.int64)
     dist.recv(length, src, group=group, tag=tag)
     data = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.recv(data, src, group=group, tag=tag)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device, weights_only=True)
 
 
 def shard_bounds(sizes: list[int], servers: int) -> list[range]:

@@ -24,6 +24,7 @@ from paralm.config import Config
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.flat import flatten
 from paralm.parallel.runtime import Runtime
+from paralm.param_server.batch import update_layout
 from paralm.param_server.log import ServerLog
 from paralm.param_server.protocol import LEAD, Endpoint, Header, Kind, Status, Tag
 from paralm.param_server.shard import ServerShard
@@ -38,13 +39,16 @@ class Server:
         self.peer_link = Endpoint.between(self.peers, config.sync, runtime.device, runtime.host_group)
         self.servers, self.workers = runtime.servers, runtime.dims.dp
         self.shard = ServerShard(config, runtime, self.peers, solo, self.link.device)
-        t = config.train
-        self.per_push = t.grad_accum * t.micro_batch_size
-        self.update_batch = self.per_push * (1 if config.sync.ps_async else self.workers)
         self.shard.receive_initial_state(self.link)
+        # the workers lay out the same batch: from the config and the checkpoint's global batch
+        layout, note = update_layout(config, self.workers, self.shard.saved_batch)
+        self.per_push = layout.grad_accum * layout.micro_batch_size  # one worker's sequences per update
+        self.update_batch = layout.global_batch
         self.first_version = self.shard.version
         self.next_sample = self.shard.samples_seen  # asynchronous: the next batch to hand out
-        self.log = ServerLog(config, runtime, self.shard, self.link, self.update_batch) if self.lead else None
+        self.log = ServerLog(config, runtime, self.shard, self.link, layout) if self.lead else None
+        if self.log and note:
+            self.log.message(f"paralm: {note}")
 
     def serve(self) -> None:
         if self.log and self.shard.version >= self.config.train.steps:
@@ -64,7 +68,7 @@ class Server:
         return range(self.servers, self.runtime.world_size)
 
     def _checkpoint(self) -> None:
-        path = self.shard.checkpoint()
+        path = self.shard.checkpoint(None if self.config.sync.ps_async else self.update_batch)
         if self.log:
             self.log.message(f"saved {path}")
 

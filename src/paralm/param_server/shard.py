@@ -42,6 +42,7 @@ class ServerShard:
             for p in self.params[: mine.start] + self.params[mine.stop :]:
                 p.data = p.data.new_empty(0)
         self.version = self.samples_seen = 0
+        self.saved_batch: int | None = None  # the resumed checkpoint's global batch, if it records one
 
     @torch.no_grad()
     def receive_initial_state(self, link: Endpoint) -> None:
@@ -54,13 +55,15 @@ class ServerShard:
         if self.lead:
             self._restore()
             for server in range(1, self.servers):
-                state = {"version": self.version, "samples_seen": self.samples_seen, "optim": self._slice_state(server)}
+                state = {"version": self.version, "samples_seen": self.samples_seen, "global_batch": self.saved_batch}
+                state["optim"] = self._slice_state(server)
                 with self.peers.attributing():
                     send_object(state, server, Tag.STATE, self.host)
         else:
             with self.peers.attributing():
-                state = recv_object(LEAD, Tag.STATE, self.host)
+                state = recv_object(LEAD, Tag.STATE, self.host, self.device)
             self.version, self.samples_seen = state["version"], state["samples_seen"]
+            self.saved_batch = state["global_batch"]
             self._set_state(state["optim"])
         self.peers.take_step()  # not synchronisation traffic: in the summary, not in a row
 
@@ -73,6 +76,7 @@ class ServerShard:
             return
         state = load_checkpoint(path, self._checkpoint_state(), self.solo)
         self.version, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.saved_batch = state.get("global_batch")
 
     def _slice_state(self, server: int) -> dict[int, dict[str, Any]]:
         """Optimizer state of server `server`'s slice, by parameter index."""
@@ -87,9 +91,9 @@ class ServerShard:
             self.optimizer.state[self.params[index]] = values
 
     @torch.no_grad()
-    def checkpoint(self) -> str | None:
+    def checkpoint(self, global_batch: int | None) -> str | None:
         """Collective over the servers: the others send their slices to the lead, which writes them all
-        and returns where."""
+        (with `global_batch`, the sequences of an update, when synchronous) and returns where."""
         if not self.lead:
             mine = {i: self.params[i].detach() for i in self.bounds[self.runtime.rank]}
             with self.peers.attributing():
@@ -98,11 +102,13 @@ class ServerShard:
             return None
         for server in range(1, self.servers):
             with self.peers.attributing():
-                shard = recv_object(server, Tag.STATE, self.host)
+                shard = recv_object(server, Tag.STATE, self.host, self.device)
             for index, value in shard["params"].items():
                 self.params[index].copy_(value)
             self._set_state(shard["optim"])
         state = trainer_state(self.version, self.samples_seen, self.config.model.block_size, self.runtime.world_size)
+        if global_batch is not None:  # a resume on another layout keeps it (`paralm.param_server.batch`)
+            state["global_batch"] = global_batch
         alone = dataclasses.replace(self.runtime, group=self.solo)
         path = save_checkpoint(
             self.config.run.dir,

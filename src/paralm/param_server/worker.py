@@ -8,9 +8,9 @@ import time
 import torch
 
 from paralm.config import Config
-from paralm.data.sampler import BatchLayout
 from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.runtime import Runtime
+from paralm.param_server.batch import update_layout
 from paralm.param_server.protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
 from paralm.train.engine import StepEngine
 from paralm.train.memory import local_bytes
@@ -24,11 +24,13 @@ class Worker:
         self.params = list(engine.model.parameters())
         bounds = shard_bounds([p.numel() for p in self.params], runtime.servers)
         self.shards = [self.params[b.start : b.stop] for b in bounds]
-        t = config.train
-        if config.sync.ps_async:  # an update is one worker's batch
-            engine.layout, engine.dp_rank = BatchLayout(1, t.grad_accum, t.micro_batch_size), 0
-        # else an update is the global batch, each worker taking its slice as in all-reduce data parallelism
-        engine.resume(engine.module)  # the checkpoint's weights (the lead server restores the optimizer)
+        # the checkpoint's weights (the lead server restores the optimizer) and global batch
+        state = engine.resume(engine.module) or {}
+        # asynchronous: an update is one worker's batch; synchronous: the global batch, each worker
+        # taking its slice as in all-reduce data parallelism (the lead server decides the same layout)
+        engine.layout, _ = update_layout(config, runtime.dims.dp, state.get("global_batch"))
+        if config.sync.ps_async:
+            engine.dp_rank = 0
         self.first = runtime.rank == runtime.servers
 
     def work(self) -> None:

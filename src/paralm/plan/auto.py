@@ -28,7 +28,7 @@ from paralm.errors import UserError
 from paralm.hardware import cache_dir
 from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims
-from paralm.parallel.launch import running_under_launcher
+from paralm.parallel.lifeline import running_under_launcher
 from paralm.plan import trials
 from paralm.plan.cluster import Cluster, GiB, load_cluster
 from paralm.plan.request import load_request, with_fields

@@ -12,6 +12,7 @@ the median of the others' wall time. A candidate that fails is reported in one l
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any
 
 from paralm.config import Config
 from paralm.errors import UserError
+from paralm.parallel.lifeline import PARENT_ENV
 from paralm.plan.request import LAYOUT_FIELDS, get, override_value
 from paralm.train.metrics import METRICS_FILE
 
@@ -130,7 +132,8 @@ def child_runs(config_path: str | None, overrides: list[str], nproc: int) -> Lau
 
 def _run(command: list[str]) -> None:
     """Run a trial; its failure as one line: its last line on stderr (paralm's error), or the timeout."""
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}  # it and its workers die with this launcher
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, err = child.communicate(timeout=TRIAL_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -1,7 +1,9 @@
-"""NaN/inf steps: found by every rank alike, skipped, and counted so that a run that keeps producing
-them stops instead of training on nothing."""
+"""NaN/inf steps: found by every rank alike and skipped on the device, counted when the metrics are read
+back, so that a run that keeps producing them stops instead of training on nothing."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -9,7 +11,8 @@ import torch.distributed as dist
 from paralm.config import Config
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import SyncStrategy
+from paralm.parallel.sync import SyncStrategy, step_unless
+from paralm.train.precision import LossScaler
 
 
 class BadSteps:
@@ -19,31 +22,44 @@ class BadSteps:
         self.limit = config.train.max_bad_steps
         self.in_a_row = 0
 
-    def found(self, grad_norm: torch.Tensor) -> bool:
-        """A NaN/inf gradient norm (a NaN/inf loss makes one) in bf16/fp32, agreed by every rank: the step
-        is skipped. The norm is already the same on every rank when gradients are synced; otherwise (local
-        SGD, DiLoCo) one all-reduce agrees. fp16 overflows are the loss scaler's (it skips those steps)."""
+    def step(
+        self, optimizer: torch.optim.Optimizer, scaler: LossScaler, grad_norm: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The optimizer step unless the step is bad; returns whether it was skipped (a bool on the device)
+        and the loss scaler's metrics. bf16/fp32: a NaN/inf gradient norm (a NaN/inf loss makes one) on any
+        rank skips it, decided on the device so the host does not wait: the norm is the same on every rank
+        when gradients are synced, else (local SGD, DiLoCo) one all-reduce agrees. fp16: overflows are the
+        loss scaler's to skip (it reads its flag on the host, and lowers the scale)."""
         if self.fp16:
-            return False
+            scaling = scaler.step(optimizer)
+            return torch.full((), scaling["overflow"], device=grad_norm.device), scaling
         bad = (~torch.isfinite(grad_norm)).to(torch.int32).reshape(1)
         if not self.sync.gradients_agree:
             self.runtime.all_reduce(bad, dist.ReduceOp.MAX)
-        found = bool(bad.item())
-        self.in_a_row = self.in_a_row + 1 if found else 0
-        return found
+        skipped = bad[0] > 0
+        step_unless(optimizer, skipped)
+        return skipped, {}
 
-    def report(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> str:
-        """The log line of a skipped step."""
-        return (
-            f"step {step}: the gradient norm is {grad_norm.item():g} (loss {loss_sum.item():g} here); "
-            f"step skipped ({self.in_a_row} in a row of at most {self.limit})"
-        )
+    def review(self, rows: list[dict[str, Any]], saved_step: int) -> tuple[list[str], UserError | None]:
+        """At a read-back (the same rows on every rank): a log line per skipped step, whose row then keeps
+        no gradient norm, and after `train.max_bad_steps` in a row the error that stops the run."""
+        lines, error = [], None
+        for row in rows:
+            if not row.get("skipped"):
+                self.in_a_row = 0
+                continue
+            self.in_a_row += 1
+            lines.append(
+                f"step {row['step']}: the gradient norm is {row['grad_norm']:g} (loss {row['loss']:g}); "
+                f"step skipped ({self.in_a_row} in a row of at most {self.limit})"
+            )
+            row["grad_norm"] = None
+            if self.in_a_row >= self.limit and error is None:
+                error = self._too_many(saved_step)
+        return lines, error
 
-    def too_many(self, saved_step: int) -> UserError | None:
-        """After `train.max_bad_steps` in a row, the error that stops the run (no checkpoint of this
-        state: the last one written, `saved_step`, stays the last good one)."""
-        if self.in_a_row < self.limit:
-            return None
+    def _too_many(self, saved_step: int) -> UserError:
+        """No checkpoint of this state: the last one written, `saved_step`, stays the last good one."""
         last = f"; the last good checkpoint is step {saved_step}" if saved_step else ""
         return UserError(
             f"{self.in_a_row} steps in a row had a NaN/inf loss or gradient norm (train.max_bad_steps = {self.limit})"

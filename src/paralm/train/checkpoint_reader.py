@@ -7,6 +7,8 @@ anything up (nothing is imported: every allowed module is already loaded), and n
 through `torch.load(weights_only=True)`, torch's own allow-list unpickler, which also checks names
 before importing. (The optimizer's hyperparameters, `optim.param_groups.*`, are such entries in every
 checkpoint; a resume does not read them at all: they come from the config, `paralm.train.checkpoint`.)
+DCP also opens whatever file an entry's storage path names, so a path out of the checkpoint's folder
+(`../x`, absolute, or through a symbolic link) is refused when the metadata is read.
 
 The reader also lets a pipeline's last stage, which holds its own copy of a tied weight (GPT-2's head,
 `ModelSpec.tied`), start from a checkpoint that has optimizer state only for the weight it copies (one
@@ -18,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
+import os
 import pickle
 import sys
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -28,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
+from paralm.errors import UserError
 from paralm.models.registry import FAMILIES
 
 # The modules whose dataclasses and enums make up DCP's metadata (all imported with DCP itself).
@@ -86,10 +91,35 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        self._check_storage_paths(metadata)
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         _add_tied_aliases(metadata)
         return metadata
+
+    def _check_storage_paths(self, metadata: Metadata) -> None:
+        """DCP opens each entry's file at `folder / relative_path` as the metadata says: a crafted `../x`
+        or absolute path would read any file this user can. Refused before anything is read."""
+        if not isinstance(metadata.storage_data, dict):
+            raise pickle.UnpicklingError("its storage entries are not a mapping")
+        folder = Path(os.path.realpath(self.path))
+        for info in metadata.storage_data.values():
+            relative = getattr(info, "relative_path", None)
+            if not _inside(folder, relative):
+                raise UserError(
+                    f"checkpoint {self.path} refers to data at {str(relative)!r}, outside its folder: "
+                    "refused; use another checkpoint"
+                )
+
+
+def _inside(folder: Path, relative: object) -> bool:
+    """Whether `relative` names a file within `folder` (symbolic links followed)."""
+    if not isinstance(relative, (str, PurePath)) or PurePath(relative).is_absolute():
+        return False
+    try:
+        return Path(os.path.realpath(folder / relative)).is_relative_to(folder)
+    except ValueError:  # a NUL byte in the name
+        return False
 
 
 def _add_tied_aliases(metadata: Metadata) -> None:

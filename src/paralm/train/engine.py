@@ -67,7 +67,7 @@ class StepEngine:
         for first in self.layout.micro_batch_starts(start, self.dp_rank):
             windows = sample_windows(self.config.train.seed, first, size, self.train_data.num_windows)
             x, y = self.train_data.batch(windows)
-            batches.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+            batches.append((to_device(x, self.device), to_device(y, self.device)))
         return batches
 
     def forward_backward(self, batches: Batches) -> torch.Tensor:
@@ -99,3 +99,17 @@ class StepEngine:
             f"global batch {layout.global_batch} = {layout.dp_size} x {layout.grad_accum} x "
             f"{layout.micro_batch_size} sequences of {m.block_size} tokens, {self.config.precision.dtype}"
         )
+
+
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether a host tensor is copied to `device` from pinned memory: on a GPU a copy from pageable memory
+    first waits for the work queued before it, from pinned memory it does not."""
+    return device.type == "cuda"
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (host memory) on `device`, without the host waiting for the device. The pinned copy is
+    contiguous: a strided one would be made contiguous again in pageable memory before the transfer."""
+    if pins_host_memory(device):
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+    return tensor.to(device, non_blocking=True)

@@ -36,6 +36,7 @@ class LossScaler:
             self._scaler = ShardedGradScaler(device.type, enabled=self.enabled, process_group=sharded_group)
         else:
             self._scaler = torch.amp.GradScaler(device.type, enabled=self.enabled)
+        self.rescale = 1.0  # the last step's change of the scale (new / old): state kept in scaled units follows it
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self._scaler.scale(loss)
@@ -53,6 +54,7 @@ class LossScaler:
         if not self.enabled:
             return {}
         after = self._scaler.get_scale()
+        self.rescale = after / before
         return {"loss_scale": after, "overflow": after < before}  # only an overflow lowers the scale
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Step metrics kept on the device until they are read back: one host synchronisation per read-back.
 
-Each step leaves one small vector on its device: its loss sum and gradient norm as they are (device
-tensors, so nothing waits for the GPU), and the host's counters (bytes sent, memory) beside them. A
-read-back stacks the vectors of every step since the last one, reduces them over the ranks in one
-collective (`Runtime.reduce_metrics`) and copies the result to the host once.
+Each step leaves one small vector on its device: its loss sum, gradient norm and whether it was skipped
+as they are (device tensors, so nothing waits for the GPU), and the host's counters (bytes sent, memory)
+beside them. A read-back stacks the vectors of every step since the last one, reduces them over the
+ranks in one collective (`Runtime.reduce_metrics`) and copies the result to the host once.
 
 When: on GPUs every `log.every` steps (and before evaluating, saving or stopping, and after the
 first step), so the GPU runs ahead of the host in between; on CPUs the values are on the host
@@ -44,24 +44,34 @@ class StepMetrics:
     _window_start: float | None = None
 
     SUMS = ("loss", "comm_bytes")
-    MAXIMA = ("grad_norm", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
+    MAXIMA = ("grad_norm", "skipped", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
+    ON_DEVICE = ("loss", "grad_norm", "skipped")
 
     def start_step(self) -> None:
         if self._window_start is None:
             self._window_start = time.perf_counter()
 
     def add(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, counters: dict[str, int], **host: Any
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        counters: dict[str, int],
+        skipped: torch.Tensor | None = None,
+        **host: Any,
     ) -> None:
         """Record a step without waiting for the device. `counters`: `comm_bytes` (summed over ranks, when
-        counted) and the memory figures (maximised), host integers."""
+        counted) and the memory figures (maximised), host integers. `skipped`: the bad-step flag, on the
+        device (None: the step cannot be skipped that way)."""
         on_host = torch.tensor(
-            [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA[1:])], dtype=torch.float64
+            [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA if k not in self.ON_DEVICE)],
+            dtype=torch.float64,
         )
         if self.runtime.device.type == "cuda":
             on_host = on_host.pin_memory()  # a copy from pinned memory does not block the host
         on_host = on_host.to(self.runtime.device, non_blocking=True)
-        device = torch.stack([loss.detach().double(), grad_norm.detach().double()])
+        flag = torch.zeros((), dtype=torch.float64, device=loss.device) if skipped is None else skipped.double()
+        device = torch.stack([loss.detach().double(), grad_norm.detach().double(), flag])
         values = torch.cat([device[:1], on_host[:1], device[1:], on_host[1:]])  # in SUMS then MAXIMA order
         self._pending.append(_Pending(step, values, host))
 
@@ -77,14 +87,16 @@ class StepMetrics:
         rows = []
         for pending, values in zip(self._pending, reduced, strict=True):
             named = dict(zip(self.SUMS + self.MAXIMA, values, strict=True))
-            loss, grad_norm, comm_bytes = (named.pop(k) for k in ("loss", "grad_norm", "comm_bytes"))
-            host = pending.host
+            loss, grad_norm, comm_bytes, skipped = (
+                named.pop(k) for k in ("loss", "grad_norm", "comm_bytes", "skipped")
+            )
+            host = pending.host | ({"skipped": True} if skipped else {})
             rows.append(
                 step_row(
                     pending.step,
                     loss / self.loss_divisor,
                     host.pop("lr"),
-                    None if host.get("overflow") or host.get("skipped") else grad_norm,  # a skipped step has no norm
+                    None if host.get("overflow") else grad_norm,  # an overflow has none (a skip: `BadSteps.review`)
                     **self.throughput.row(self.tokens_per_step, seconds),
                     **{k: int(v) for k, v in named.items()},
                     **host,

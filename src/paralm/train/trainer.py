@@ -12,11 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from paralm.config import Config
-from paralm.errors import Interrupted
-from paralm.hardware import device_peak_flops
+from paralm.errors import Interrupted, note_failure
+from paralm.hardware import device_peak_flops, startup_notes
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
 from paralm.param_server.run import run_parameter_server
 from paralm.train.bad_steps import BadSteps
@@ -41,6 +39,7 @@ def train(config: Config) -> None:
         shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
         raise
     except BaseException:
+        note_failure()  # before leaving the group: its peers fail when it does, and this rank failed first
         shutdown(runtime, together=False)
         raise
     shutdown(runtime)
@@ -74,6 +73,8 @@ class Trainer:
         if runtime.is_main:
             self.logger = open_run_log(config, self.step)
             self.logger.message(banner(engine.describe(), self.step, t.steps))
+            for note in startup_notes(self.device, config.precision.dtype):
+                self.logger.message(note)
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 
     def fit(self) -> None:
@@ -98,7 +99,7 @@ class Trainer:
             evaluate = last or (t.eval_every and self.step % t.eval_every == 0)
             save = last or (ckpt.every and self.step % ckpt.every == 0)
             if evaluate or save or self.step == first + 1 or self.metrics.due(self.step):
-                rows = self.metrics.read_back()
+                rows = self._read_back(first)
                 if evaluate:
                     rows[-1]["val_loss"] = self.engine.evaluate()
                 self._log(rows, first)
@@ -124,7 +125,7 @@ class Trainer:
 
     def _stop(self, signum: int) -> None:
         """Every rank saw the same flag before this step: save (unless done already) and leave."""
-        self._log(self.metrics.read_back(), first=-1)  # the steps since the last read-back
+        self._log(self._read_back(first=-1), first=-1)  # the steps since the last read-back
         saved = ""
         if self.config.checkpoint.on_signal and self.step != self.checkpoints.saved_step:
             saved = f"; saved {self.save()}, run the same command to resume"
@@ -146,9 +147,9 @@ class Trainer:
         self.memory.after_backward()
         engine.plan.sync.after_backward()
         grad_norm = engine.plan.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
-        bad = self.bad.found(grad_norm)
-        # fp16: loss_scale, and overflow when the step was skipped
-        scaling = {"skipped": True} if bad else engine.scaler.step(self.optimizer)
+        # on the device: a bad step is skipped without the host reading whether it was (fp16: the scaler's)
+        skipped, scaling = self.bad.step(self.optimizer, engine.scaler, grad_norm)
+        engine.plan.sync.settle(skipped, engine.scaler.rescale)  # a skipped step leaves its state as it was
         self.optimizer.zero_grad(set_to_none=True)
         engine.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += engine.layout.global_batch
@@ -160,19 +161,25 @@ class Trainer:
         counters = {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)}
         if self.config.log.comm_bytes:
             counters["comm_bytes"] = self.runtime.comm.take_step()[0]
-        self.metrics.add(self.step, loss_sum, grad_norm, counters, lr=lr, **scaling, samples_seen=self.samples_seen)
-        if bad:
-            self._skipped(loss_sum, grad_norm)
+        flag = None if self.bad.fp16 else skipped  # fp16 rows say `overflow` instead
+        self.metrics.add(
+            self.step, loss_sum, grad_norm, counters, flag, lr=lr, samples_seen=self.samples_seen, **scaling
+        )
 
-    def _skipped(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """One log line per skipped step; too many in a row end the run."""
+    def _read_back(self, first: int) -> list[dict[str, Any]]:
+        """The rows since the last read-back: skipped steps are logged here (one line each), and too many
+        in a row end the run, once their rows are written."""
+        rows = self.metrics.read_back()
+        lines, error = self.bad.review(rows, self.checkpoints.saved_step)
         if self.logger:
-            self.logger.message(self.bad.report(self.step, loss_sum, grad_norm))
-        if error := self.bad.too_many(self.checkpoints.saved_step):
-            self._log(self.metrics.read_back(), first=-1)  # this step's row and any still waiting
+            for line in lines:
+                self.logger.message(line)
+        if error:
+            self._log(rows, first)
             if self.logger:
                 self.logger.close()
             raise error
+        return rows
 
     def save(self) -> Path:
         return self.checkpoints.save(self.step, self.samples_seen, self.logger)
