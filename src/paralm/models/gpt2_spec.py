@@ -24,8 +24,8 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT, TIED
 from paralm.models.shape import ModelShape
-from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, StateDict
-from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan
+from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict
+from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
 def shape(config: ModelConfig) -> ModelShape:
@@ -74,6 +74,10 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str,
     if sequence_parallel and model.wpe is not None:
         plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     return plan
+
+
+def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRegion]:
+    return decoder_sharded_regions(model, _NAMES, sequence_parallel)
 
 
 # --- Hugging Face ---
@@ -188,6 +192,7 @@ SPEC = ModelSpec(
     check=check,
     shape=shape,
     tensor_parallel_plan=tensor_parallel_plan,
+    sharded_regions=sharded_regions,
     blocks="blocks",
     pipeline=PipelineParts(first=("wte", "wpe"), last=("ln_f", "lm_head")),
     tied=TIED,

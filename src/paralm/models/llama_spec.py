@@ -21,8 +21,8 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
 from paralm.models.shape import ModelShape
-from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, StateDict
-from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan
+from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict
+from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
 def shape(config: ModelConfig) -> ModelShape:
@@ -94,6 +94,10 @@ _NAMES = DecoderNames(
 
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return decoder_plan(model, _NAMES, sequence_parallel)
+
+
+def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRegion]:
+    return decoder_sharded_regions(model, _NAMES, sequence_parallel)
 
 
 # --- Hugging Face ---
@@ -209,6 +213,7 @@ SPEC = ModelSpec(
     check=check,
     shape=shape,
     tensor_parallel_plan=tensor_parallel_plan,
+    sharded_regions=sharded_regions,
     blocks="layers",
     pipeline=PipelineParts(first=("tok_embeddings",), last=("norm", "output")),
     tied=TIED,

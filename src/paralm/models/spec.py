@@ -33,6 +33,16 @@ class PipelineParts:
 
 
 @dataclass(frozen=True)
+class ShardedRegion:
+    """Where tensor-parallel ranks hold different activations (their heads, or their sequence shard), so
+    dropout there must draw a different mask per rank: from the forward of the submodule `start` ("": the
+    module itself) until the forward of `until` begins (None: until `start`'s forward ends)."""
+
+    start: str
+    until: str | None = None
+
+
+@dataclass(frozen=True)
 class HFMapping:
     """The family as a Hugging Face `transformers` architecture, both ways.
 
@@ -57,6 +67,9 @@ class ModelSpec:
     shape: Callable[[ModelConfig], ModelShape]
     # the DTensor plan for the parts the module holds, (module, sequence_parallel) -> {submodule: style}
     tensor_parallel_plan: Callable[[nn.Module, bool], dict[str, ParallelStyle]]
+    # where that plan leaves activations sharded, (module, sequence_parallel) -> regions: their dropout
+    # draws per rank, the rest (replicated activations) the TP group's shared masks
+    sharded_regions: Callable[[nn.Module, bool], list[ShardedRegion]]
     # the `ModuleDict` of the repeated blocks, keyed by layer index: what activation checkpointing,
     # compilation and FSDP wrap one by one, and what a pipeline cuts between stages
     blocks: str

@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from paralm.models.spec import ShardedRegion
+
 
 @dataclass(frozen=True)
 class BlockPart:
@@ -67,3 +69,17 @@ def decoder_plan(model: nn.Module, names: DecoderNames, sequence_parallel: bool)
             plan[names.final_norm] = SequenceParallel()
         plan[names.head] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     return plan
+
+
+def decoder_sharded_regions(model: nn.Module, names: DecoderNames, sequence_parallel: bool) -> list[ShardedRegion]:
+    """Megatron's model-parallel RNG regions. Under sequence parallelism every activation a dropout sees
+    is sharded (the embedding's and the residual branches' by sequence, attention's by heads): the whole
+    module. Otherwise each part up to its row-parallel output (its heads' attention probabilities);
+    the residual dropout after it sees the replicated output and must draw the shared mask."""
+    if sequence_parallel:
+        return [ShardedRegion("")]
+    return [
+        ShardedRegion(f"{names.blocks}.{key}.{part.module}", f"{names.blocks}.{key}.{part.module}.{part.output}")
+        for key in model.get_submodule(names.blocks)
+        for part in names.parts
+    ]

@@ -71,7 +71,7 @@ class ParallelPlan:
 
     def before_step(self, seed: int, step: int) -> None:
         """The straggler sleeps (if one is configured); dropout is reseeded from (seed, step, rank)
-        with tensor-parallel ranks of one replica drawing the same masks."""
+        with tensor-parallel ranks of one replica sharing the stream (their sharded regions fork it per rank)."""
         straggle(self.straggler, self.runtime.rank)
         rank = dropout_rank(self.runtime.rank, self.runtime.dims.tp)
         torch.manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
@@ -125,7 +125,7 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     dims, spec = runtime.dims, model_spec(config.model)
     if dims.tp_enabled:
-        apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel)
+        apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel, config.model.dropout > 0)
     blocks = model.get_submodule(spec.blocks)
     apply_activation_checkpointing(blocks, config.train)
     if config.train.compile:

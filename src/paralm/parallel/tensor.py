@@ -5,6 +5,10 @@ family shares. The loss runs on vocabulary-sharded logits under `loss_parallel` 
 exponentials and the target logit are reduced; the full-vocabulary logits never exist). Under
 sequence parallelism the norms' replicated weights see only their rank's part of the sequence, so
 their gradients are partial sums: `reduce_partial_gradients` sums them once per step.
+
+Dropout runs on local tensors (not DTensors, so DTensor's RNG tracker is not involved): where ranks
+hold different shards (the family's `sharded_regions`) each draws its own masks, elsewhere the TP
+group's shared masks keep the replicas identical (Megatron's model-parallel RNG).
 """
 
 from __future__ import annotations
@@ -22,17 +26,52 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from paralm.models.spec import ModelSpec, tied_parameters
+from paralm.models.spec import ModelSpec, ShardedRegion, tied_parameters
 
 
-def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool, dropout: bool = False
+) -> None:
     """Shard `model` in place over `tp_mesh` by its family's plan; tied weights stay one parameter
-    (each style registers its own DTensor copy; the plan shards both the same way)."""
+    (each style registers its own DTensor copy; the plan shards both the same way). With `dropout`,
+    its sharded regions draw per-rank masks (`draw_per_rank`)."""
     tied = tied_parameters(model, spec)  # a pipeline stage may hold one end or its own copy
     parallelize_module(model, tp_mesh, spec.tensor_parallel_plan(model, sequence_parallel))
     for name, source in tied.items():
         module, attribute = name.rsplit(".", 1)
         setattr(model.get_submodule(module), attribute, model.get_parameter(source))
+    if dropout:
+        draw_per_rank(model, spec.sharded_regions(model, sequence_parallel), tp_mesh)
+
+
+def draw_per_rank(model: nn.Module, regions: list[ShardedRegion], tp_mesh: DeviceMesh) -> None:
+    """Run each region's forward on a generator forked for this TP rank, through hooks (the model stays plain).
+
+    The fork's seed is drawn from the shared stream on entry, and the shared state is restored on exit:
+    no state of its own, so per-step reseeding (`before_step`) fixes it for resumption, and
+    activation checkpointing, which replays a block from the RNG state at its entry, redraws its masks."""
+    rank = tp_mesh.get_local_rank()
+    device = torch.device(tp_mesh.device_type)
+    devices = [] if device.type == "cpu" else [torch.get_device_module(device.type).current_device()]
+    forks: list[contextlib.AbstractContextManager] = []
+
+    def enter(*_: Any) -> None:
+        seed = int(torch.randint(2**62, ()).item())  # the same on every TP rank: their shared stream
+        fork = torch.random.fork_rng(devices, device_type=device.type)
+        fork.__enter__()
+        forks.append(fork)
+        torch.manual_seed(hash((seed, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
+
+    def leave(*_: Any) -> None:
+        forks.pop().__exit__(None, None, None)
+
+    for region in regions:
+        start = model.get_submodule(region.start)
+        start.register_forward_pre_hook(enter)
+        if region.until is None:
+            start.register_forward_hook(leave)
+        else:
+            model.get_submodule(region.until).register_forward_pre_hook(leave)
 
 
 def reduce_partial_gradients(model: nn.Module) -> None:
@@ -74,5 +113,5 @@ def local_value(tensor: Any) -> Any:
 
 def dropout_rank(rank: int, tp: int) -> int:
     """The rank that seeds dropout: shared by the TP group (tp is the innermost mesh dim), so the ranks
-    that hold the same replicated activations draw the same masks."""
+    that hold the same replicated activations draw the same masks (sharded ones fork: `draw_per_rank`)."""
     return rank // tp
