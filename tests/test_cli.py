@@ -1,13 +1,21 @@
 """The CLI as a user meets it: verbs work, and every bad input is one line, exit code 2, no traceback."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from paralm.cli import main
+from paralm.data.sampler import sample_windows
+from paralm.data.shards import TokenDataset
+from paralm.evaluate import EVAL_SEED_OFFSET
+from paralm.runs import load_trained_model
 from paralm.train.integrity import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +65,26 @@ def test_train_writes_metrics_config_and_a_checkpoint(trained_run):
 
 
 def test_eval_reports_loss_and_perplexity(trained_run):
+    """The printed loss is the mean cross-entropy of the checkpoint on the validation windows, recomputed
+    here from the model's logits (to the 4 printed decimals), and the perplexity is its exponential."""
     result = paralm("eval", "--run", str(trained_run))
     assert result.returncode == 0, result.stderr
-    assert "val loss" in result.stdout and "perplexity" in result.stdout
+    printed = re.search(r"val loss (\S+)  perplexity (\S+)  \(([\d,]+) tokens\)", result.stdout)
+    assert printed, result.stdout
+    loss, perplexity, tokens = float(printed[1]), float(printed[2]), int(printed[3].replace(",", ""))
+
+    loaded = load_trained_model(trained_run)
+    t = loaded.config.train
+    dataset = TokenDataset(loaded.data_dir, "val", loaded.config.model.block_size)
+    windows = sample_windows(t.seed + EVAL_SEED_OFFSET, 0, t.eval_samples, dataset.num_windows)
+    x, y = dataset.batch(windows)
+    with torch.no_grad():
+        logits = loaded.model(x)
+    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert tokens == y.numel() == 8 * 32
+    assert loss == pytest.approx(expected, abs=5e-5)
+    assert perplexity == pytest.approx(math.exp(expected), abs=0.005 + math.exp(expected) * 5e-5)
+    assert 1 < perplexity < 256  # better than uniform over the byte vocabulary, after 4 steps
 
 
 def test_generate_continues_the_prompt(trained_run):

@@ -2,16 +2,18 @@
 
 Each rank's compute device is `meta` (as a GPU would be `cuda`), and torch.distributed's collectives
 and point-to-point calls are wrapped: the device groups (the default group and the mesh's, NCCL on GPUs)
-must receive meta tensors, which then skip the actual communication, and the groups made for host
-metadata (`new_group(backend="gloo")`) must receive CPU tensors, which are really sent. Anything else
-is recorded as a violation, which is what NCCL would reject on a GPU. `item()` / `tolist()` on meta
-return zeros, so the loops run to the end.
+must receive tensors of the devices the backend string given to `init_process_group` names (a bare
+name such as "nccl": the compute device only; "meta:gloo,cpu:gloo": meta and CPU), meta ones skipping
+the actual communication, and the groups made for host metadata (`new_group(backend="gloo")`) must
+receive CPU tensors, which are really sent. Anything else is recorded as a violation, which is what
+NCCL would reject on a GPU. `item()` / `tolist()` on meta return zeros, so the loops run to the end.
 
 Covered: the trainer's step (local SGD and DiLoCo: DDP and FSDP cannot be built on meta, their
 communication is torch's), evaluation, the stop-signal flag, comm accounting, checkpoint state
 collection (DCP cannot write meta tensors: the state is collected, not written), the parameter server
 (synchronous and asynchronous, servers on the device and on the CPU) and the compression hooks (called
-on a meta bucket). Not covered: collectives torch makes inside DDP's reducer, FSDP, DTensor and DCP.
+on a meta bucket). Not covered: collectives torch makes inside DDP's reducer, FSDP, DTensor (clipping's
+norm of CPU-offloaded shards among them: the default group's "cuda:nccl,cpu:gloo" serves it) and DCP.
 """
 
 from __future__ import annotations
@@ -91,11 +93,22 @@ class Discipline:
         self.violations: list[str] = []
         self.host_groups: set[dist.ProcessGroup] = set()
         self.calls: dict[str, int] = {}
+        self.device_group_devices = {"meta"}  # what the default group's backend serves: set at its creation
 
     @contextlib.contextmanager
     def active(self):
-        patches = [mock.patch("paralm.parallel.runtime.select_device", lambda local_rank: torch.device("meta"))]
+        patches = [
+            mock.patch("paralm.parallel.runtime.select_device", lambda local_rank: torch.device("meta")),
+            # meta stands for cuda, gloo (which skips nothing: meta tensors never reach it) for NCCL
+            mock.patch.dict("paralm.parallel.runtime.DEVICE_BACKENDS", {"meta": "gloo"}),
+        ]
         new_group = dist.new_group
+        init_process_group = dist.init_process_group
+
+        def recording_init_process_group(backend=None, *args, **kwargs):
+            if backend and ":" in backend:  # "meta:gloo,cpu:gloo": one backend per device type
+                self.device_group_devices = {pair.split(":")[0] for pair in backend.split(",")}
+            return init_process_group(backend, *args, **kwargs)
 
         def recording_new_group(*args, **kwargs):
             group = new_group(*args, **kwargs)
@@ -104,6 +117,7 @@ class Discipline:
             return group
 
         patches.append(mock.patch.object(dist, "new_group", recording_new_group))
+        patches.append(mock.patch.object(dist, "init_process_group", recording_init_process_group))
         for name, positions in CHECKED.items():
             patches.append(mock.patch.object(dist, name, self._checked(name, getattr(dist, name), positions)))
         with contextlib.ExitStack() as stack:
@@ -120,9 +134,9 @@ class Discipline:
             for i in positions:
                 value = args[i] if i < len(args) else None
                 tensors += value if isinstance(value, list) else [value] if value is not None else []
-            want = "cpu" if host else "meta"
+            want = {"cpu"} if host else self.device_group_devices
             for t in tensors:
-                if t.device.type != want:
+                if t.device.type not in want:
                     where = _caller()
                     self.violations.append(
                         f"{name} on {'gloo host' if host else 'device'} group: {t.device} at {where}"

@@ -6,6 +6,9 @@
   runs do not clip. The two differ only in fp32 rounding order: 1e-6 on losses and weights.
 - DiLoCo with outer lr 1 and momentum 0 lands on the replicas' mean, so it equals local SGD whatever
   the inner optimizer (AdamW here): 1e-6, the rounding of anchor - (anchor - mean).
+- DiLoCo's outer step: every H steps the new global weights are one step of Nesterov SGD (outer lr,
+  momentum) from the anchor on the pseudo-gradient anchor - mean of the replicas, recomputed here with
+  torch.optim.SGD from each rank's replica just before the synchronisation (1e-6: fp32 rounding).
 - Replicas differ between averagings and agree right after one; H = 2 sends half the bytes of
   all-reduce over the same steps (gradients and parameters have the same size).
 """
@@ -101,3 +104,56 @@ def test_replicas_drift_apart_and_agree_after_each_averaging(tmp_path, mode):
         else:
             assert torch.equal(a, b), f"step {step}: replicas should agree after averaging"
     assert not torch.equal(rank0[2], rank0[5])  # and they moved on in between
+
+
+def _around_syncs(config):
+    """The initial parameters, then for each step this rank's replica before the sync and after it."""
+    runtime = init_runtime(config.parallel, config.sync)
+    trainer = Trainer(config, runtime)
+    sync, model = trainer.engine.plan.sync, trainer.engine.model
+
+    def params():
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+    initial, before, after = params(), [], []
+    sync_step = sync.after_step
+
+    def recorded(steps_done, last):
+        before.append(params())
+        sync_step(steps_done, last)
+        after.append(params())
+
+    sync.after_step = recorded
+    while trainer.step < config.train.steps:
+        trainer.train_step()
+        trainer.step += 1
+    shutdown(runtime)
+    return initial, before, after
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_change(tmp_path):
+    """Against torch.optim.SGD(nesterov=True) on a copy of the anchor: with lr 0.7 and momentum 0.9 the first
+    outer step moves (1 + 0.9) * 0.7 = 1.33 times the mean change, the second adds the momentum; local SGD
+    (lr 1, momentum 0) would land on the replicas' mean, 0.33 of the mean change away or more."""
+    lr, momentum, every = 0.7, 0.9, 2
+    sync = {"mode": "diloco", "local_steps": every, "outer_lr": lr, "outer_momentum": momentum}
+    config = tiny_config(tmp_path / "diloco", train={"steps": 2 * every}, sync=sync)
+    (initial, before0, after0), (initial1, before1, after1) = run_ranks(_around_syncs, 2, tmp_path, config)
+    assert torch.equal(initial, initial1)
+    anchor = initial.clone().requires_grad_()
+    outer = torch.optim.SGD([anchor], lr=lr, momentum=momentum, nesterov=True)
+    for step in range(every, 2 * every + 1, every):
+        replica0, replica1 = before0[step - 1], before1[step - 1]
+        assert (replica0 - replica1).abs().max() > 1e-4  # the replicas trained apart
+        mean = (replica0 + replica1) / 2
+        anchor.grad = anchor.detach() - mean
+        outer.step()
+        expected = anchor.detach()
+        assert (expected - mean).abs().max() > 0.3 * anchor.grad.abs().max()  # not the average
+        for after in (after0, after1):
+            torch.testing.assert_close(
+                after[step - 1], expected, rtol=0, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}"
+            )
+    for step in range(1, 2 * every + 1):  # between syncs each replica keeps its own parameters
+        if step % every:
+            assert torch.equal(after0[step - 1], before0[step - 1]) and torch.equal(after1[step - 1], before1[step - 1])

@@ -1,8 +1,8 @@
 """The process's place in the job: rank, device, process group and device mesh.
 
 One process (no launcher) runs without a process group; under `torchrun` or `paralm train --nproc`
-the environment says rank and world size, and the backend follows the device: NCCL on GPUs, gloo
-on CPUs.
+the environment says rank and world size, and the backend follows the device: NCCL on GPUs (with gloo
+for the CPU tensors of CPU offload), gloo on CPUs.
 """
 
 from __future__ import annotations
@@ -101,6 +101,18 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+# the backend of each device's tensors in the default group (and the mesh groups, which inherit it)
+DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPUs; on an accelerator its backend for its tensors and gloo for CPU ones, which FSDP's
+    CPU offload reduces over the same groups (the gradient norm at clipping), as torchtitan does."""
+    if device.type == "cpu":
+        return DEVICE_BACKENDS["cpu"]
+    return f"{device.type}:{DEVICE_BACKENDS[device.type]},cpu:{DEVICE_BACKENDS['cpu']}"
+
+
 def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
     """Join the job the launcher set up (if any) and build the mesh for the configured degrees.
 
@@ -119,9 +131,8 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
     if dims.forced and "MASTER_ADDR" not in os.environ:
         raise UserError("parallel.force_distributed = true needs a launcher: run under torchrun --nproc-per-node 1")
     if world_size > 1 or dims.forced:
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend,
+            process_group_backend(device),
             store=_restart_safe_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
