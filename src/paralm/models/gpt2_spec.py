@@ -24,7 +24,7 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT, TIED
 from paralm.models.shape import ModelShape
-from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict
+from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
@@ -117,12 +117,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
         "add_cross_attention": (hf.get("add_cross_attention", False), False),
     }
-    for name, (got, needed) in mismatches.items():
-        if got != needed:
-            raise UserError(
-                f"{source}: {name} = {got!r}, paralm's GPT-2 needs {needed!r}; "
-                "paralm imports only models it computes exactly"
-            )
+    refuse_differences(source, "GPT-2", mismatches)
     return dict(
         family="gpt2",
         n_layer=hf.get("n_layer", 12),

@@ -21,7 +21,7 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
 from paralm.models.shape import ModelShape
-from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict
+from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
@@ -153,12 +153,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "head_dim": (hf.get("head_dim") or d_model // heads, d_model // heads),
         "sliding_window": (window if window is not None and window < block_size else None, None),
     }
-    for name, (got, needed) in differences.items():
-        if got != needed:
-            raise UserError(
-                f"{source}: {name} = {got!r}, paralm's Llama needs {needed!r}; "
-                "paralm imports only models it computes exactly"
-            )
+    refuse_differences(source, "Llama", differences)
     return dict(
         family="llama",
         n_layer=hf.get("num_hidden_layers", 32),

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.shape import ModelShape
 
@@ -84,3 +85,14 @@ def tied_parameters(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     """The pairs of `spec.tied` that are one parameter in `model` (a Llama may or may not tie its head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     return {name: source for name, source in spec.tied.items() if params.get(name, 0) is params.get(source, 1)}
+
+
+def refuse_differences(source: str, family: str, differences: dict[str, tuple[Any, Any]]) -> None:
+    """A one-line `UserError` for the first Hugging Face setting (name: (found, needed)) under which
+    the folder computes something else than paralm's `family` does."""
+    for name, (got, needed) in differences.items():
+        if got != needed:
+            raise UserError(
+                f"{source}: {name} = {got!r}, paralm's {family} needs {needed!r}; "
+                "paralm imports only models it computes exactly"
+            )
