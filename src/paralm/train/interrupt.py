@@ -33,6 +33,8 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.signum:  # stopping already: a second signal (torchrun forwards the group's) must not
+            return  # raise in the exit that follows, e.g. inside an atexit finalizer, with a traceback
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
