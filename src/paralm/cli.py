@@ -25,6 +25,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.train.trainer import train
 
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if args.replicas:
+        return _train_replicas(args, overrides)
     config, overrides = train_config(args.config, overrides, world_size)  # parallel.auto: the planner's layout
     if (args.nproc > 1 or args.max_restarts) and not running_under_launcher():
         from paralm.parallel.dims import ParallelDims
@@ -33,6 +35,25 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides], args.max_restarts)
     train(config)
     return 0
+
+
+def _train_replicas(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`--replicas R`: R fault-tolerant replica groups of `--nproc` ranks each, and their lighthouse."""
+    from paralm.load_config import load_config
+    from paralm.parallel.replica_launch import launch_replica_groups
+
+    group = ["--sync.fault_tolerant=true", f"--sync.ft_groups={args.replicas}"]
+    config = load_config(args.config, [*overrides, *group])  # refuse a bad config before starting anything
+    if config.parallel.auto:
+        raise UserError("parallel.auto = true measures layouts of one job: it does not combine with --replicas")
+    return launch_replica_groups(
+        args.replicas,
+        args.nproc,
+        [*_config_args(args), *overrides],
+        config.run.dir,
+        config.sync.ft_min_groups,
+        args.max_restarts,
+    )
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -143,6 +164,7 @@ class _Parser(argparse.ArgumentParser):
 _RANGES: dict[str, tuple[float, float | None]] = {
     "nproc": (1, None),
     "max_restarts": (0, None),
+    "replicas": (0, None),
     "max_new_tokens": (1, None),
     "temperature": (0, None),
     "top_k": (0, None),
@@ -205,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="restart the workers up to K times after one fails; they resume from the latest checkpoint",
+    )
+    train.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="R fault-tolerant replica groups of --nproc ranks (torchft): a failed group is restarted (up to "
+        "--max-restarts times) and rejoins while the others train on",
     )
     train.set_defaults(func=_train)
 

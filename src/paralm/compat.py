@@ -5,6 +5,10 @@ does the job in torch 2.13.
 
 from __future__ import annotations
 
+import urllib.request
+from datetime import timedelta
+from typing import Any
+
 import torch
 
 # DDP semantics built on FSDP2, the only data parallelism that takes DTensor (tensor-parallel)
@@ -31,6 +35,7 @@ __all__ = [
     "resolve_process_group",
     "step_unless_flagged",
     "takes_skip_flag",
+    "weights_only_http_transport",
 ]
 
 
@@ -71,3 +76,20 @@ def step_unless_flagged(optimizer: torch.optim.Optimizer, flag: torch.Tensor) ->
         optimizer.step()
     finally:
         del optimizer.found_inf
+
+
+def weights_only_http_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (a healthy replica group sends a recovering one its state), reading
+    what arrives with torch's weights-only unpickler: torchft reads it with `weights_only=False`, so a
+    peer's bytes could run code. Its `_load_from_address` is the one place that reads, and torch's
+    `_streaming_load` the only reader of the streaming format its sender writes."""
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)

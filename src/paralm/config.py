@@ -135,6 +135,16 @@ class SyncConfig:
     local_steps: int = option(8, "local_sgd/diloco: optimizer steps each replica takes alone between averagings")
     outer_lr: float = option(0.7, "diloco: learning rate of the outer Nesterov SGD on the averaged change")
     outer_momentum: float = option(0.9, "diloco: momentum of the outer Nesterov SGD")
+    fault_tolerant: bool = option(
+        False,
+        "torchft replica groups: a failed group drops out while the others train on, and rejoins from a healthy "
+        "peer (`paralm train --replicas R` starts them)",
+    )
+    ft_groups: int = option(1, "fault_tolerant: replica groups of the job; group g reads the g-th share of each batch")
+    ft_group: int = option(0, "fault_tolerant: this group's index, 0 .. ft_groups - 1")
+    ft_min_groups: int = option(1, "fault_tolerant: groups that must take part for a step to commit")
+    ft_lighthouse: str = option("", "fault_tolerant: the torchft lighthouse's address; empty: $TORCHFT_LIGHTHOUSE")
+    ft_timeout_s: float = option(30.0, "fault_tolerant: seconds a quorum or a cross-group collective waits")
     straggler_rank: int = option(-1, "rank slowed on purpose to study heterogeneous workers; -1: none")
     straggler_delay_s: float = option(0.0, "seconds the straggler rank sleeps in every step")
 
@@ -142,6 +152,11 @@ class SyncConfig:
     def servers(self) -> int:
         """Ranks outside the data-parallel mesh: the parameter servers."""
         return self.ps_servers if self.mode == "parameter_server" else 0
+
+    @property
+    def replica_groups(self) -> int:
+        """Fault-tolerant replica groups: each is a job of its own, they share every step's batch."""
+        return self.ft_groups if self.fault_tolerant else 1
 
 
 @dataclass

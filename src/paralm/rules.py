@@ -88,6 +88,9 @@ def validate_sync(config: Config) -> None:
         "sync.outer_lr": (s.outer_lr, 0),
         "sync.outer_momentum": (s.outer_momentum, 0),
         "sync.straggler_delay_s": (s.straggler_delay_s, 0),
+        "sync.ft_groups": (s.ft_groups, 1),
+        "sync.ft_min_groups": (s.ft_min_groups, 1),
+        "sync.ft_group": (s.ft_group, 0),
     }
     for name, (value, low) in at_least.items():
         if value < low:
@@ -110,10 +113,32 @@ def validate_sync(config: Config) -> None:
             "precision.dtype = fp16 needs a loss scale the parameter server does not keep: "
             "use precision.dtype = bf16 or fp32 with sync.mode = parameter_server"
         )
+    if s.fault_tolerant:
+        check_fault_tolerant(config)
     if s.mode in ("local_sgd", "diloco") and config.checkpoint.every % s.local_steps:
         raise UserError(
             f"checkpoint.every = {config.checkpoint.every} must be a multiple of sync.local_steps = {s.local_steps}: "
             "replicas agree only right after an averaging"
+        )
+
+
+def check_fault_tolerant(config: Config) -> None:
+    """torchft replica groups average gradients across groups after backward: all-reduce modes only."""
+    s, c = config.sync, config.comm
+    if s.ft_group >= s.ft_groups:
+        raise UserError(f"sync.ft_group = {s.ft_group} must be below sync.ft_groups = {s.ft_groups}")
+    if s.ft_min_groups > s.ft_groups:
+        raise UserError(f"sync.ft_min_groups = {s.ft_min_groups} exceeds sync.ft_groups = {s.ft_groups}")
+    if s.ft_timeout_s <= 0:
+        raise UserError(f"sync.ft_timeout_s = {s.ft_timeout_s} must be positive")
+    if s.mode != "allreduce" or c.compression != "none" or config.parallel.zero == 1:
+        raise UserError(
+            "sync.fault_tolerant = true averages gradients across replica groups itself: it needs sync.mode = "
+            "allreduce, comm.compression = none and parallel.zero 0, 2 or 3"
+        )
+    if config.precision.dtype == "fp16":
+        raise UserError(
+            "sync.fault_tolerant = true keeps no loss scale across groups: use precision.dtype bf16 or fp32"
         )
 
 

@@ -111,6 +111,10 @@ def _sync_strategy(
     model: nn.Module, module: nn.Module, runtime: Runtime, comm: CommConfig, sync: SyncConfig
 ) -> SyncStrategy:
     dims = runtime.dims
+    if sync.fault_tolerant:
+        from paralm.parallel.fault_tolerant import ReplicaGroups  # torchft: imported only when asked for
+
+        return ReplicaGroups(model, runtime, sync)
     if dims.averaging_enabled:
         return ModelAverager(model, runtime, sync)
     if dims.zero1_enabled:

@@ -1,15 +1,16 @@
 """How data-parallel replicas agree: the hooks the training loop calls, whatever the strategy.
 
-A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per
-step `after_backward` (gradients are final), `clip_grad_norm_` (where the gradients are by then: ZeRO-1
-holds them on its shards), `settle` (the optimizer stepped or skipped the step: what this step's
-communication changed is kept, or put back) and `after_step` (local SGD and DiLoCo average there). Its
-own state (`state_dict` / `load_state_dict`, torch's `Stateful` protocol) travels in every checkpoint
-beside the model and optimizer, under `sync`, as one flat dict: per-rank state such as error-feedback
-residuals or a replica's optimizer moments belongs there, keyed by rank so DCP keeps every rank's copy
-(equal keys are saved from one rank only). Before loading, the strategy sees the checkpoint's entries
-(`before_load`): it refuses a layout it cannot continue exactly and allocates what it creates lazily;
-its keys the checkpoint lacks are not loaded (a checkpoint of another mode starts them fresh).
+A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per step
+`start_step`, `after_backward` (gradients are final), `commit` (whether the step stands),
+`clip_grad_norm_` (where the gradients are by then: ZeRO-1 holds them on its shards), `settle` (the
+optimizer stepped or skipped the step: what this step's communication changed is kept, or put back) and
+`after_step` (local SGD and DiLoCo average there). Its own state (`state_dict` / `load_state_dict`,
+torch's `Stateful` protocol) travels in every checkpoint beside the model and optimizer, under `sync`,
+as one flat dict: per-rank state such as error-feedback residuals or a replica's optimizer moments
+belongs there, keyed by rank so DCP keeps every rank's copy (equal keys are saved from one rank only).
+Before loading, the strategy sees the checkpoint's entries (`before_load`): it refuses a layout it
+cannot continue exactly and allocates what it creates lazily; its keys the checkpoint lacks are not
+loaded (a checkpoint of another mode starts them fresh).
 
 The base class is all-reduce data parallelism, where DDP or FSDP sync gradients inside backward and
 nothing is left to do after it.
@@ -77,8 +78,22 @@ class SyncStrategy(Stateful):
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
         return TrainingState(model, optimizer, self)
 
+    def start_step(self, step: int, samples_seen: int) -> tuple[int, int]:
+        """Before a step: the loop's (step, samples seen), which a strategy that hands a lagging replica its
+        peer's state moves forward (fault-tolerant replica groups heal here)."""
+        return step, samples_seen
+
     def after_backward(self) -> None:
         """Gradients are final on this rank (synced, unscaled); the optimizer has not stepped yet."""
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Host values for this step's metrics row (what only the strategy knows)."""
+        return {}
+
+    def commit(self) -> bool:
+        """After `after_backward`: whether the step goes on to the optimizer. False (a replica group failed
+        during it): nobody steps, and the loop runs the same step again."""
+        return True
 
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, runtime: Runtime, copies: Collection[str]

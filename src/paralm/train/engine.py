@@ -42,9 +42,11 @@ class StepEngine:
         self.val_data = TokenDataset(data_dir, "val", config.model.block_size)
         check_vocab_size(config, self.train_data.vocab_size, data_dir)
         # this rank's share of each batch: a slice of the global batch (a parameter-server worker may
-        # take a whole batch of its own instead)
-        self.layout = BatchLayout(runtime.dims.dp, resolve_grad_accum(config, runtime.dims.dp), t.micro_batch_size)
-        self.dp_rank = runtime.dp_rank
+        # take a whole batch of its own instead); fault-tolerant replica groups split it first
+        groups = config.sync.replica_groups
+        dp = runtime.dims.dp * groups
+        self.layout = BatchLayout(dp, resolve_grad_accum(config, dp), t.micro_batch_size)
+        self.dp_rank = config.sync.ft_group * runtime.dims.dp + runtime.dp_rank if groups > 1 else runtime.dp_rank
 
         with torch.device("meta"):  # no memory yet: parallelize gives each rank its shards of the seeded init
             self.model = model_spec(config.model).build(config.model)
@@ -53,6 +55,11 @@ class StepEngine:
         self.module = self.plan.module
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
+
+    @property
+    def group_batch(self) -> int:
+        """The samples this job computes per step: the global batch, less the other replica groups' shares."""
+        return self.layout.global_batch // self.config.sync.replica_groups
 
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that

@@ -64,7 +64,7 @@ class Trainer:
         self.metrics = StepMetrics(
             runtime,
             Throughput(engine.shape.flops_per_token, peak_flops, runtime.world_size),
-            tokens_per_step=engine.layout.global_batch * config.model.block_size,
+            tokens_per_step=engine.group_batch * config.model.block_size,
             loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
             comm_bytes=config.log.comm_bytes,
@@ -93,7 +93,8 @@ class Trainer:
                 self._stop(signum)
             self.memory.measuring = self.step == first or (self.step + 1) % self.config.log.every == 0
             self.runtime.comm.set_aside()  # set-up, validation, metrics and checkpoints are no step's traffic
-            self.train_step()
+            if not self.train_step():
+                continue  # a replica group failed during the step: it runs again
             self.step += 1
             last = self.step == t.steps
             evaluate = last or (t.eval_every and self.step % t.eval_every == 0)
@@ -134,10 +135,12 @@ class Trainer:
             self.logger.close()
         raise Interrupted(signum, f"stopped by {signal_name(signum)} after step {self.step}{saved}")
 
-    def train_step(self) -> None:
-        """One optimizer step; its metrics wait on the device for `self.metrics.read_back()`."""
+    def train_step(self) -> bool:
+        """One optimizer step; its metrics wait on the device for `self.metrics.read_back()`. False: the
+        sync strategy did not commit it (nothing changed)."""
         engine = self.engine
         self.metrics.start_step()
+        self.step, self.samples_seen = engine.plan.sync.start_step(self.step, self.samples_seen)
         engine.plan.before_step(self.config.train.seed, self.step)
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
@@ -146,6 +149,9 @@ class Trainer:
         engine.scaler.unscale_(self.optimizer)
         self.memory.after_backward()
         engine.plan.sync.after_backward()
+        if not engine.plan.sync.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
         grad_norm = engine.plan.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
         # on the device: a bad step is skipped without the host reading whether it was (fp16: the scaler's)
         skipped, scaling = self.bad.step(self.optimizer, engine.scaler, grad_norm)
@@ -163,8 +169,17 @@ class Trainer:
             counters["comm_bytes"] = self.runtime.comm.take_step()[0]
         flag = None if self.bad.fp16 else skipped  # fp16 rows say `overflow` instead
         self.metrics.add(
-            self.step, loss_sum, grad_norm, counters, flag, lr=lr, samples_seen=self.samples_seen, **scaling
+            self.step,
+            loss_sum,
+            grad_norm,
+            counters,
+            flag,
+            lr=lr,
+            samples_seen=self.samples_seen,
+            **scaling,
+            **engine.plan.sync.step_metrics(),
         )
+        return True
 
     def _read_back(self, first: int) -> list[dict[str, Any]]:
         """The rows since the last read-back: skipped steps are logged here (one line each), and too many

@@ -1,0 +1,107 @@
+"""torchft replica groups (`paralm train --replicas R`): undisturbed, they train exactly as one process with
+the same global batch; with one group killed (-9) mid-run, the others step on without a restart, the
+group is started again, heals from a peer and ends with their weights."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.d_model=32",
+    "--model.block_size=32",
+    "--model.dropout=0",
+    "--train.micro_batch_size=4",
+    "--train.eval_samples=8",
+    "--log.tensorboard=false",
+    "--log.progress=false",
+]
+
+
+def _train(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "paralm", "train", *ARGS, f"--run.dir={run_dir}", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(job: subprocess.Popen) -> str:
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, out + err
+    return out + err
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def test_undisturbed_groups_equal_one_process(tmp_path):
+    """Two groups of one rank, each reading half of every batch, average their gradients through torchft:
+    the mean of their losses is one process's loss on the whole batch, every step, and both end with its
+    validation loss (groups training alone would part from it after the first step)."""
+    steps = ["--train.steps=4", "--train.eval_every=4"]
+    groups = _train(tmp_path / "ft", *steps, "--replicas", "2", "--sync.ft_min_groups=2")
+    _finish(_train(tmp_path / "one", *steps, "--train.grad_accum=2"))
+    _finish(groups)
+    one = _rows(tmp_path / "one")
+    halves = [_rows(tmp_path / "ft" / f"group-{g}") for g in range(2)]
+    assert [r["step"] for r in one] == [r["step"] for r in halves[0]] == [r["step"] for r in halves[1]] == [0, 1, 2, 3]
+    for whole, a, b in zip(one, *halves, strict=True):
+        assert a["replica_groups"] == b["replica_groups"] == 2
+        assert (a["loss"] + b["loss"]) / 2 == pytest.approx(whole["loss"], abs=1e-5)
+        assert a["loss"] != pytest.approx(b["loss"], abs=1e-3)  # the groups did read different halves
+    assert halves[0][-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], abs=1e-5)
+    assert halves[1][-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], abs=1e-5)
+
+
+def _pid_of_group(run_dir: Path) -> int:
+    pattern = f"--run.dir={run_dir}$"
+    found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+    assert len(found) == 1, found
+    return int(found[0])
+
+
+def test_killed_group_rejoins_while_others_train(tmp_path):
+    """Three groups; group 1 is killed with SIGKILL after its 6th step. Groups 0 and 2 run every step once,
+    some with only two groups, and are never restarted; group 1 is started again, heals and finishes
+    with the same validation loss as they do. The final loss stays within 2% of an undisturbed run's."""
+    total = 30
+    steps = [f"--train.steps={total}", f"--train.eval_every={total}"]
+    run = tmp_path / "ft"
+    job = _train(run, *steps, "--replicas", "3", "--max-restarts", "1")
+    victim = run / "group-1"
+    deadline = time.monotonic() + 300
+    while len(_rows(victim)) < 6:
+        assert job.poll() is None and time.monotonic() < deadline, "group 1 never reached step 6"
+        time.sleep(0.1)
+    os.kill(_pid_of_group(victim), signal.SIGKILL)
+    output = _finish(job)
+    reference = _train(tmp_path / "one", *steps, "--train.grad_accum=3")
+
+    assert "replica group 1 exited with code -9; starting it again" in output
+    assert "replica group 0 exited" not in output and "replica group 2 exited" not in output
+    survivors = [_rows(run / f"group-{g}") for g in (0, 2)]
+    for rows in survivors:
+        assert [r["step"] for r in rows] == list(range(total))  # no step lost or run twice, no restart
+        assert min(r["replica_groups"] for r in rows) == 2  # they trained on while group 1 was away
+    rejoined = _rows(victim)
+    assert len(rejoined) < total + 6 and rejoined[-1]["step"] == total - 1  # healed: it skipped the missed steps
+    final = [rows[-1]["val_loss"] for rows in (*survivors, rejoined)]
+    assert final[0] == pytest.approx(final[1], abs=1e-6) and final[2] == pytest.approx(final[0], abs=1e-6)
+    _finish(reference)
+    undisturbed = _rows(tmp_path / "one")[-1]["val_loss"]
+    assert final[0] == pytest.approx(undisturbed, rel=0.02)
