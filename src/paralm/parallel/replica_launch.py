@@ -23,7 +23,7 @@ from paralm.parallel.fault_tolerant import LIGHTHOUSE_ENV
 from paralm.parallel.lifeline import PARENT_ENV
 
 POLL_S = 0.2
-JOIN_TIMEOUT_MS = 1000  # how long a quorum waits for groups beyond the minimum to join (torchft's default: 60 s)
+JOIN_TIMEOUT_MS = 60_000  # a quorum waits this long for every group still heartbeating (a dead one stops)
 STOP_TIMEOUT_S = 300  # groups stopped by SIGINT/SIGTERM save a checkpoint first
 
 
