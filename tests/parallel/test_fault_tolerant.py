@@ -81,8 +81,9 @@ def _pid_of_group(run_dir: Path) -> int:
 
 def test_killed_group_rejoins_while_others_train(tmp_path):
     """Three groups; group 1 is killed with SIGKILL after its 6th step. Groups 0 and 2 run every step once
-    (from the first quorum they were up for), some with only two groups, and are never restarted; group 1 is started again, heals and finishes
-    with the same validation loss as they do. The final loss stays within 2% of an undisturbed run's."""
+    (from the first quorum they were up for), some with only two groups, and are never restarted; group 1
+    is started again, heals and finishes with the same validation loss as they do. The final loss stays
+    within 2% of an undisturbed run's."""
     total = 30
     steps = [f"--train.steps={total}", f"--train.eval_every={total}"]
     run = tmp_path / "ft"
