@@ -71,3 +71,8 @@ def step_unless_flagged(optimizer: torch.optim.Optimizer, flag: torch.Tensor) ->
         optimizer.step()
     finally:
         del optimizer.found_inf
+
+
+def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:
+    """DDP leaves these parameters alone (expert parallelism syncs them itself); a static method of DDP's."""
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
