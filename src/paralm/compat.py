@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+# all_to_all_single with autograd: torch.distributed.nn.functional's public form is deprecated for it.
+import torch.distributed._functional_collectives as funcol
+
 # DDP semantics built on FSDP2, the only data parallelism that takes DTensor (tensor-parallel)
 # parameters and pipeline stages; `DistributedDataParallel` takes neither, and it has no public path.
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -76,3 +79,10 @@ def step_unless_flagged(optimizer: torch.optim.Optimizer, flag: torch.Tensor) ->
 def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:
     """DDP leaves these parameters alone (expert parallelism syncs them itself); a static method of DDP's."""
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def all_to_all_autograd(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """`all_to_all_single` with a backward (the reverse exchange); torch's public autograd form is deprecated."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group))

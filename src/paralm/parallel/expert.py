@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -88,9 +87,7 @@ def _dispatch(
     by_source = received_counts.view(ep, -1)
     state.sent = counts.view(ep, -1).sum(1).tolist()
     state.received = by_source.sum(1).tolist()
-    arrived = dist_fn.all_to_all_single(
-        tokens.new_empty(sum(state.received), tokens.shape[1]), tokens, state.received, state.sent, group=group
-    )
+    arrived = compat.all_to_all_autograd(tokens, state.received, state.sent, group)
     # arrived is ordered (source rank, local expert); the experts want (local expert, source rank)
     lengths = by_source.t().flatten()
     starts = (by_source.flatten().cumsum(0) - by_source.flatten()).view(ep, -1).t().flatten()
@@ -102,8 +99,7 @@ def _dispatch(
 def _combine(state: _Dispatch, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The experts' outputs back to the ranks of their tokens, in the order they were sent."""
     arrived_order = torch.zeros_like(output).index_copy(0, state.order, output)
-    back = output.new_empty(sum(state.sent), output.shape[1])
-    return dist_fn.all_to_all_single(back, arrived_order, state.sent, state.received, group=mesh.get_group())
+    return compat.all_to_all_autograd(arrived_order, state.sent, state.received, mesh.get_group())
 
 
 def _shard_by_expert(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
