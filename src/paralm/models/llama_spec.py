@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
+from paralm.models.moe import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
@@ -57,6 +58,7 @@ def shape(config: ModelConfig) -> ModelShape:
         # 2 RMSNorms, 2 residual adds, SiLU, product, 4 reshapes and casts; `rotate` on q and on k (8
         # kernels each, 10 more for its cos and sin tables) and the positions
         elementwise_kernels=10 + 2 * (8 + 10) + 1,
+        moe=moe_shape(config, expert_params=3 * d * hidden, dense_ffn_params=3 * d * hidden),
     )
 
 

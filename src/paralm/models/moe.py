@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
+from paralm.models.shape import MoEShape
 
 RESIDUAL = ("experts.w2", "shared.w2")  # output projections: the families scale their initial std
 
@@ -35,6 +36,22 @@ RESIDUAL = ("experts.w2", "shared.w2")  # output projections: the families scale
 def is_moe_block(config: ModelConfig, index: int) -> bool:
     """Whether block `index` has an MoE feed-forward: every `moe_every`-th block, counting from 1."""
     return config.moe_experts > 0 and (index + 1) % config.moe_every == 0
+
+
+def moe_shape(config: ModelConfig, expert_params: int, dense_ffn_params: int) -> MoEShape | None:
+    """The MoE blocks' counts, for a family whose expert has `expert_params` weights and whose dense
+    feed-forward `dense_ffn_params` (None for a dense model)."""
+    if config.moe_experts == 0:
+        return None
+    return MoEShape(
+        layers=sum(is_moe_block(config, i) for i in range(config.n_layer)),
+        experts=config.moe_experts,
+        top_k=config.moe_top_k,
+        shared=int(config.moe_shared_expert),
+        expert_params=expert_params,
+        router_params=config.d_model * config.moe_experts,
+        dense_ffn_params=dense_ffn_params,
+    )
 
 
 def check_moe(config: ModelConfig) -> None:
