@@ -57,7 +57,7 @@ def shape(config: ModelConfig) -> ModelShape:
         mlp_traffic=8 * d,  # the GELU reads and writes 4d
         rotary_width=0,
         elementwise_kernels=9,  # 2 LayerNorms, 2 residual adds, the GELU, 4 reshapes and casts
-        moe=moe_shape(config, expert_params=8 * d * d, dense_ffn_params=8 * d * d + (5 * d if bias else 0)),
+        moe=moe_shape(config, layer[1:], dense_ffn_params=8 * d * d + (5 * d if bias else 0)),
     )
 
 

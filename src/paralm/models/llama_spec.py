@@ -58,7 +58,7 @@ def shape(config: ModelConfig) -> ModelShape:
         # 2 RMSNorms, 2 residual adds, SiLU, product, 4 reshapes and casts; `rotate` on q and on k (8
         # kernels each, 10 more for its cos and sin tables) and the positions
         elementwise_kernels=10 + 2 * (8 + 10) + 1,
-        moe=moe_shape(config, expert_params=3 * d * hidden, dense_ffn_params=3 * d * hidden),
+        moe=moe_shape(config, layer[2:], dense_ffn_params=3 * d * hidden),
     )
 
 

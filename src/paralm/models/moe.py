@@ -38,9 +38,11 @@ def is_moe_block(config: ModelConfig, index: int) -> bool:
     return config.moe_experts > 0 and (index + 1) % config.moe_every == 0
 
 
-def moe_shape(config: ModelConfig, expert_params: int, dense_ffn_params: int) -> MoEShape | None:
-    """The MoE blocks' counts, for a family whose expert has `expert_params` weights and whose dense
-    feed-forward `dense_ffn_params` (None for a dense model)."""
+def moe_shape(
+    config: ModelConfig, ffn_matrices: tuple[tuple[int, int, int], ...], dense_ffn_params: int
+) -> MoEShape | None:
+    """The MoE blocks' counts, for a family whose feed-forward has the weight matrices `ffn_matrices`
+    (an expert has the same, without biases) and `dense_ffn_params` parameters (None for a dense model)."""
     if config.moe_experts == 0:
         return None
     return MoEShape(
@@ -48,9 +50,11 @@ def moe_shape(config: ModelConfig, expert_params: int, dense_ffn_params: int) ->
         experts=config.moe_experts,
         top_k=config.moe_top_k,
         shared=int(config.moe_shared_expert),
-        expert_params=expert_params,
+        expert_params=sum(rows * cols * count for rows, cols, count in ffn_matrices),
         router_params=config.d_model * config.moe_experts,
         dense_ffn_params=dense_ffn_params,
+        expert_matrices=ffn_matrices,
+        dense_ffn_matrices=ffn_matrices,
     )
 
 

@@ -23,6 +23,8 @@ class MoEShape:
     expert_params: int  # one expert's weights
     router_params: int  # the router's d_model x experts
     dense_ffn_params: int  # the dense feed-forward (matrices and biases) an MoE block has instead
+    expert_matrices: tuple[tuple[int, int, int], ...] = ()  # one expert's (rows, columns, how many)
+    dense_ffn_matrices: tuple[tuple[int, int, int], ...] = ()  # the dense feed-forward's, in `layer_matrices`
 
     def params(self, experts: int) -> int:
         """What the MoE blocks add to the dense model's count, with `experts` of each block counted."""
@@ -96,10 +98,12 @@ class ModelShape:
     def layer_forward_flops(self, tokens: int) -> tuple[float, float]:
         """(matmul-with-weights, attention-core) forward FLOPs of one block for `tokens` tokens.
 
-        Weights: 2 FLOPs per parameter per token; attention: QK^T and AV, 2 * 2 * d * s per token.
+        Weights: 2 FLOPs per active parameter per token (an MoE model's blocks on average); attention:
+        QK^T and AV, 2 * 2 * d * s per token.
         Backward costs twice each: half for input gradients, half for weight gradients (weights only).
         """
-        return 2 * self.layer_params * tokens, 4 * self.d_model * self.block_size * tokens
+        experts = self.moe.params(self.moe.top_k) / self.n_layer if self.moe else 0  # MoE blocks' active, spread
+        return 2 * (self.layer_params + experts) * tokens, 4 * self.d_model * self.block_size * tokens
 
     def head_forward_flops(self, tokens: int) -> float:
         """The LM head matmul and final norm, forward (the embedding lookup costs no FLOPs)."""
