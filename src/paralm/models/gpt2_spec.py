@@ -90,6 +90,10 @@ _QKV = ("wq", "wk", "wv")
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """Arguments for `transformers.GPT2Config` describing the same architecture."""
+    if c.moe_experts:
+        raise UserError(
+            "Hugging Face GPT-2 has no mixture-of-experts layers: a model with model.moe_experts > 0 does not export"
+        )
     if not c.bias:
         raise UserError("Hugging Face GPT-2 has biases everywhere: only models with model.bias = true map to it")
     return dict(

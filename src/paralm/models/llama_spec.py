@@ -119,6 +119,8 @@ _RENAMES = {
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """Arguments for `transformers.LlamaConfig` describing the same architecture."""
+    if c.moe_experts:
+        raise UserError("export of mixture-of-experts models (model.moe_experts > 0) is not supported yet")
     return dict(
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
