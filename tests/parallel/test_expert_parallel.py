@@ -9,6 +9,8 @@ wrong average of the expert gradients (a missing 1/dp, a missed copy) moves weig
 learning rate, and a token sent to the wrong expert changes the loss at the first step.
 """
 
+import shutil
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -71,3 +73,36 @@ def test_expert_parallel_matches_one_process(name, tmp_path):
         torch.testing.assert_close(weights[key], value, rtol=0, atol=TOLERANCE, msg=key)
     if model.get("moe_bias_balance"):  # the balancing bias moved, identically
         assert expected_weights["blocks.0.mlp.expert_bias"].abs().max() > 0
+
+
+def train(config: Config) -> None:
+    runtime = init_runtime(config.parallel, config.sync)
+    Trainer(config, runtime_for(config, runtime)).fit()
+    shutdown(runtime)
+
+
+@pytest.mark.slow
+def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
+    """AdamW (optimizer state in the checkpoint): an ep = 2 run stopped at step 3 and resumed ends as one
+    process does; its step-3 checkpoint, experts saved by expert, also resumes on one process."""
+
+    def run(name: str, ranks: int, steps: int) -> Config:
+        train_section = {"micro_batch_size": GLOBAL_BATCH // ranks, "steps": steps}
+        parallel = {"ep": ranks} if ranks > 1 else {}
+        checkpoint = {"every": 3, "resume": "auto"}
+        return tiny_config(tmp_path / name, model=MOE, parallel=parallel, train=train_section, checkpoint=checkpoint)
+
+    reference = run("one", 1, 5)
+    train(reference)
+    run_ranks(train, 2, tmp_path, run("ep2", 2, 3))
+    (tmp_path / "resharded").mkdir()
+    shutil.copytree(tmp_path / "ep2" / "checkpoints", tmp_path / "resharded" / "checkpoints")
+    run_ranks(train, 2, tmp_path, run("ep2", 2, 5))
+    train(run("resharded", 1, 5))
+
+    expected = {row["step"]: row["loss"] for row in read_metrics(reference.run.dir)}
+    for name, steps in (("ep2", range(5)), ("resharded", range(3, 5))):
+        rows = {row["step"]: row["loss"] for row in read_metrics(tmp_path / name) if "loss" in row}
+        assert sorted(rows) == list(steps), name
+        for step in steps:
+            assert abs(rows[step] - expected[step]) < TOLERANCE, (name, step, rows[step], expected[step])
