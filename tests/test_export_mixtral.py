@@ -72,3 +72,27 @@ def test_moe_settings_mixtral_does_not_compute_are_refused_in_one_line(tmp_path,
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_stacked_layout_of_transformers_module_imports_too():
+    """Weights as `MixtralForCausalLM.state_dict()` holds them (experts stacked, as paralm's) map as well."""
+    import torch
+
+    from paralm.models.config import ModelConfig
+    from paralm.models.llama import Llama
+    from paralm.models.llama_spec import SPEC
+
+    torch.manual_seed(0)
+    hf_config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    theirs = transformers.MixtralForCausalLM(hf_config).eval()
+    assert any(k.endswith("experts.gate_up_proj") for k in theirs.state_dict())
+    fields = SPEC.hf.config_from_hf(hf_config.to_dict(), "config.json")
+    config = ModelConfig(**fields)
+    ours = Llama(config).eval()
+    ours.load_state_dict(SPEC.hf.from_hf(theirs.state_dict(), config, "model.safetensors"))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() <= 1e-4

@@ -1,11 +1,12 @@
 """A Llama with MoE feed-forwards as Hugging Face's `MixtralForCausalLM`, both ways.
 
 Mixtral routes as `paralm.models.moe` does with softmax scores: the top-k probabilities, renormalised
-over the chosen experts, weight SwiGLU experts; every block is MoE, no shared expert, dropless. Its
-experts are stored stacked, as paralm's: `gate_up_proj` (experts, 2 x hidden, d) is w1 then w3,
-`down_proj` is w2. Folders in the older layout (one `block_sparse_moe.experts.{j}.w1.weight` per
-expert) import too. Settings Mixtral does not compute (a loss-free bias changes which experts are
-chosen, capacity drops tokens, top-1 would not renormalise) are refused in one line.
+over the chosen experts, weight SwiGLU experts; every block is MoE, no shared expert, dropless. Export writes
+what `save_pretrained` writes (one `block_sparse_moe.experts.{j}.w1.weight` per expert, which every
+transformers version reads); import also takes the stacked layout of transformers' module
+(`mlp.experts.gate_up_proj`, (experts, 2 x hidden, d): w1 then w3; `down_proj`: w2), paralm's own.
+Settings Mixtral does not compute (a loss-free bias changes which experts are chosen, capacity drops
+tokens, top-1 would not renormalise) are refused in one line.
 """
 
 from __future__ import annotations
@@ -55,34 +56,35 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _names(i: int) -> tuple[str, str]:
-    return f"layers.{i}.feed_forward.", f"model.layers.{i}.mlp."
+    return f"layers.{i}.feed_forward.", f"model.layers.{i}.block_sparse_moe."
 
 
 def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
-    """Every block's router and experts, named as `MixtralForCausalLM`'s state dict."""
+    """Every block's router and experts, named as `MixtralForCausalLM.save_pretrained` writes them."""
     out = {}
     for i in range(config.n_layer):
         p, h = _names(i)
         out[h + "gate.weight"] = sd[p + "gate.weight"]
-        out[h + "experts.gate_up_proj"] = torch.cat([sd[p + "experts.w1"], sd[p + "experts.w3"]], dim=1)
-        out[h + "experts.down_proj"] = sd[p + "experts.w2"]
+        for k in ("w1", "w2", "w3"):
+            out |= {f"{h}experts.{j}.{k}.weight": w for j, w in enumerate(sd[p + f"experts.{k}"])}
     return out
 
 
 def expected_names(config: ModelConfig) -> set[str]:
-    return {name for i in range(config.n_layer) for name in to_hf_names(i)}
+    """The stacked layout's names (what `stacked` leaves)."""
+    return {name for i in range(config.n_layer) for name in _stacked_names(i)}
 
 
-def to_hf_names(i: int) -> tuple[str, str, str]:
-    h = _names(i)[1]
+def _stacked_names(i: int) -> tuple[str, str, str]:
+    h = f"model.layers.{i}.mlp."
     return h + "gate.weight", h + "experts.gate_up_proj", h + "experts.down_proj"
 
 
 def stacked(hf: StateDict, config: ModelConfig) -> StateDict:
-    """`hf` with experts stored one by one (the older layout) stacked as `to_hf` names them."""
+    """`hf` with experts stored one by one (as `to_hf` writes them) stacked as transformers' module holds them."""
     hf = dict(hf)
     for i in range(config.n_layer):
-        old, (gate, gate_up, down) = f"model.layers.{i}.block_sparse_moe.", to_hf_names(i)
+        old, (gate, gate_up, down) = _names(i)[1], _stacked_names(i)
         if old + "gate.weight" not in hf:
             continue
         hf[gate] = hf.pop(old + "gate.weight")
@@ -97,7 +99,7 @@ def from_hf(hf: StateDict, config: ModelConfig) -> StateDict:
     """paralm's router and expert tensors (and zero balancing biases) from `stacked` Mixtral weights."""
     out = {}
     for i in range(config.n_layer):
-        p, (gate, gate_up, down) = _names(i)[0], to_hf_names(i)
+        p, (gate, gate_up, down) = _names(i)[0], _stacked_names(i)
         out[p + "gate.weight"] = hf[gate]
         out[p + "experts.w1"], out[p + "experts.w3"] = hf[gate_up].chunk(2, dim=1)
         out[p + "experts.w2"] = hf[down]
