@@ -251,6 +251,7 @@ def layout_problem(config: Config, world_size: int, servers: int = 0) -> str | N
         lambda: (
             validate_sync(config),
             check_model_parallel_layout(config),
+            check_moe_layout(config),
             check_sharding(config),
             resolve_data_parallel(config.parallel, world_size, servers),
         )
@@ -260,6 +261,11 @@ def layout_problem(config: Config, world_size: int, servers: int = 0) -> str | N
 def microbatch_problem(config: Config) -> str | None:
     """Why the schedule of `config` cannot run its count of pipeline micro-batches, or None."""
     return _problem(lambda: check_microbatches(config)) if config.parallel.pp > 1 else None
+
+
+def checkpointing_problem(config: Config) -> str | None:
+    """Why `config`'s activation checkpointing cannot run with its model (an MoE model takes none), or None."""
+    return _problem(lambda: check_moe_layout(config))
 
 
 def _problem(check: Callable[[], object]) -> str | None:
