@@ -9,6 +9,7 @@ wrong average of the expert gradients (a missing 1/dp, a missed copy) moves weig
 learning rate, and a token sent to the wrong expert changes the loss at the first step.
 """
 
+import re
 import shutil
 
 import pytest
@@ -16,8 +17,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from paralm.config import Config
+from paralm.errors import UserError
 from paralm.models.moe import local, moe_layers
+from paralm.parallel.dims import ParallelDims
 from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.rules import validate
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
@@ -83,14 +87,16 @@ def train(config: Config) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
-    """AdamW (optimizer state in the checkpoint): an ep = 2 run stopped at step 3 and resumed ends as one
-    process does; its step-3 checkpoint, experts saved by expert, also resumes on one process."""
+    """AdamW (optimizer state in the checkpoint) and the loss-free bias (a fast rate, so that a bias lost
+    on resume changes the routing): an ep = 2 run stopped at step 3 and resumed ends as one process does;
+    its step-3 checkpoint, experts saved by expert, also resumes on one process."""
+    model = MOE | {"moe_bias_balance": True, "moe_bias_rate": 0.05}
 
     def run(name: str, ranks: int, steps: int) -> Config:
         train_section = {"micro_batch_size": GLOBAL_BATCH // ranks, "steps": steps}
         parallel = {"ep": ranks} if ranks > 1 else {}
         checkpoint = {"every": 3, "resume": "auto"}
-        return tiny_config(tmp_path / name, model=MOE, parallel=parallel, train=train_section, checkpoint=checkpoint)
+        return tiny_config(tmp_path / name, model=model, parallel=parallel, train=train_section, checkpoint=checkpoint)
 
     reference = run("one", 1, 5)
     train(reference)
@@ -106,3 +112,27 @@ def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
         assert sorted(rows) == list(steps), name
         for step in steps:
             assert abs(rows[step] - expected[step]) < TOLERANCE, (name, step, rows[step], expected[step])
+
+
+@pytest.mark.parametrize(
+    "model, parallel, train, fragment",
+    [
+        ({}, {"ep": 2}, {}, "parallel.ep > 1 needs experts"),
+        (MOE, {"ep": 3}, {}, "model.moe_experts = 4 is not divisible by parallel.ep = 3"),
+        (MOE, {"tp": 2}, {}, "parallel.tp > 1 is not supported"),
+        (MOE, {"pp": 2}, {}, "parallel.pp > 1 is not supported"),
+        (MOE, {"ep": 2, "zero": 1}, {}, "parallel.zero = 1 with parallel.ep > 1"),
+        (MOE, {}, {"activation_checkpointing": "full"}, "train.activation_checkpointing"),
+    ],
+    ids=["dense", "indivisible", "tp", "pp", "zero1", "checkpointing"],
+)
+def test_moe_layouts_that_cannot_run_are_one_line_errors(tmp_path, model, parallel, train, fragment):
+    config = tiny_config(tmp_path, model={**MOE, **model} if model else {}, parallel=parallel, train=train)
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        validate(config)
+
+
+def test_ep_must_divide_the_sharded_data_parallel_degree(tmp_path):
+    config = tiny_config(tmp_path, model=MOE, parallel={"ep": 4})
+    with pytest.raises(UserError, match="parallel.ep = 4 must divide the sharded data-parallel degree 2"):
+        ParallelDims.from_config(config.parallel, config.sync, 2)
