@@ -42,6 +42,7 @@ ARGS = {
         "32",
     ],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
+    "moe.py": ["--steps", "3", "--eps", "2"],
     "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],
     "pipeline_startup.py": ["--pp", "2", "--n-layer", "2", "--d-model", "64"],
     "planner_validation.py": ["--steps", "3", "--rounds", "1", "--runs", "tiny-1"],

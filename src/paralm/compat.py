@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+# all_to_all_single with autograd: torch.distributed.nn.functional's public form is deprecated for it.
+import torch.distributed._functional_collectives as funcol
+
 # DDP semantics built on FSDP2, the only data parallelism that takes DTensor (tensor-parallel)
 # parameters and pipeline stages; `DistributedDataParallel` takes neither, and it has no public path.
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -93,3 +96,15 @@ def weights_only_http_transport(timeout: timedelta) -> Any:
                 return _streaming_load(f, weights_only=True)
 
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:
+    """DDP leaves these parameters alone (expert parallelism syncs them itself); a static method of DDP's."""
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def all_to_all_autograd(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """`all_to_all_single` with a backward (the reverse exchange); torch's public autograd form is deprecated."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group))

@@ -119,7 +119,8 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
         tokenizer.save(tmp)
         (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1))
     return (
-        f"{out_dir}: {hf.architecture} ({_millions(model_config)} parameters, {meta['tokenizer']} tokenizer) "
+        f"{out_dir}: {hf_config['architectures'][0]} ({_millions(model_config)} parameters, "
+        f"{meta['tokenizer']} tokenizer) "
         f"from {loaded.checkpoint}; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out_dir)!r})"
     )
 

@@ -16,8 +16,10 @@ from pathlib import Path
 from paralm.config import Config
 from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.errors import UserError
+from paralm.models.moe import check_moe
 from paralm.models.registry import model_shape, model_spec
 from paralm.parallel.dims import ParallelDims
+from paralm.parallel.expert import check_moe_layout
 from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 
 
@@ -57,6 +59,8 @@ def validate(config: Config) -> None:
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
     model_spec(m).check(m)  # an unknown family, or a shape the family cannot build
+    check_moe(m)
+    check_moe_layout(config)
     if not 0 < config.data.val_fraction < 1:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
     if config.parallel.timeout_s <= 0:
@@ -272,6 +276,7 @@ def layout_problem(config: Config, world_size: int, servers: int = 0) -> str | N
         lambda: (
             validate_sync(config),
             check_model_parallel_layout(config),
+            check_moe_layout(config),
             check_sharding(config),
             resolve_data_parallel(config.parallel, world_size, servers),
         )
@@ -281,6 +286,11 @@ def layout_problem(config: Config, world_size: int, servers: int = 0) -> str | N
 def microbatch_problem(config: Config) -> str | None:
     """Why the schedule of `config` cannot run its count of pipeline micro-batches, or None."""
     return _problem(lambda: check_microbatches(config)) if config.parallel.pp > 1 else None
+
+
+def checkpointing_problem(config: Config) -> str | None:
+    """Why `config`'s activation checkpointing cannot run with its model (an MoE model takes none), or None."""
+    return _problem(lambda: check_moe_layout(config))
 
 
 def _problem(check: Callable[[], object]) -> str | None:

@@ -74,3 +74,12 @@ def test_a_layout_that_does_not_fit_fails_before_any_training(tmp_path):
     with pytest.raises(UserError):
         compare(None, 2, [LayoutSpec("tp4", ["--parallel.tp=4"])], TINY, tmp_path, echo=lambda _: None)
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_moe_run_gets_a_load_balance_chart():
+    rows = [{"step": i, "loss": 5.0 - i, "tokens_per_s": 100.0, "mfu": 0.01, "peak_mem_bytes": 10} for i in range(3)]
+    moe = [dict(r, moe_load_imbalance=1.5 - 0.1 * r["step"]) for r in rows]
+    summary = [summarise("dense", [], rows, rows), summarise("moe", [], moe, rows)]
+    assert "MoE load balance" not in write_report(summary[:1], {"dense": rows}, 2)
+    html = write_report(summary, {"dense": rows, "moe": moe}, 2)
+    assert "MoE load balance" in html and html.count('src="data:image/png;base64,') == 7

@@ -62,3 +62,10 @@ def test_verify_holds_the_parameter_servers_and_diloco_to_their_guarantees(tmp_p
     verdicts = verify(2, ["ps", "diloco"], tmp_path, echo=lambda _: None, families=["gpt2"])
     assert [v.layout for v in verdicts] == ["ps-sync-1s1w", "diloco-lr1-m0", "ps-async-1w"]
     assert all(v.holds and v.weight_gap <= 1e-5 for v in verdicts), table(verdicts)
+
+
+@pytest.mark.slow
+def test_verify_holds_expert_parallelism_to_one_process(tmp_path):
+    verdicts = verify(2, ["ep2"], tmp_path, echo=lambda _: None, families=["llama"])
+    assert [v.layout for v in verdicts] == ["ep2-moe"]
+    assert verdicts[0].holds and max(verdicts[0].loss_gap, verdicts[0].weight_gap) <= 1e-5, table(verdicts)

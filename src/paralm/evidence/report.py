@@ -26,13 +26,13 @@ def _figure_png(draw) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def _lines(histories: dict[str, list[dict]], x_of, title: str, xlabel: str):
+def _lines(histories: dict[str, list[dict]], x_of, title: str, xlabel: str, key: str = "loss", ylabel: str = ""):
     def draw(ax) -> None:
         for name, rows in histories.items():
             xs = x_of(rows)
-            if xs is not None:
-                ax.plot(xs, [r["loss"] for r in rows], marker="o", markersize=3, label=name)
-        ax.set(title=title, xlabel=xlabel, ylabel="training loss")
+            if xs is not None and all(key in r for r in rows):
+                ax.plot(xs, [r[key] for r in rows], marker="o", markersize=3, label=name)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel or "training loss")
         ax.legend(fontsize=8)
 
     return draw
@@ -98,6 +98,12 @@ def write_report(summary: list[dict], histories: dict[str, list[dict]], nproc: i
             ),
         ),
     ]
+    if any("moe_load_imbalance" in r for rows in histories.values() for r in rows):  # an MoE model's balance
+        steps = lambda rows: [r["step"] for r in rows]  # noqa: E731
+        balance = _lines(
+            histories, steps, "MoE load balance", "step", "moe_load_imbalance", "max/mean tokens per expert"
+        )
+        charts.append(("MoE load balance", balance))
     figures = "\n".join(
         f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{_figure_png(draw)}">'
         f"<figcaption>{html.escape(title)}</figcaption></figure>"

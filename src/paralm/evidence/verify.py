@@ -166,12 +166,25 @@ def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     )  # fmt: skip
 
 
+MOE = {"model.moe_experts": 4, "model.moe_top_k": 2}  # the family's model with MoE feed-forwards
+
+
+def expert_parallel(matrix: Matrix, n: int) -> Verdict:
+    """The MoE version of the family's model, its experts split over 2 ranks (dropless), against its own
+    one-process run: exact."""
+    one = matrix.train(Layout("moe-one-process", 1, MOE))
+    guarantee = "MoE (4 experts, top-2, dropless), experts over 2 ranks: equals one process"
+    return _within(matrix, Layout("ep2-moe", 2, MOE | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
+
+
+# Methods held to a guarantee of their own (expert parallelism: exact, against a model of its own)
 APPROXIMATE: dict[str, Callable[[Matrix, int], Verdict]] = {
     **{name: rounded(name) for name in ROUNDED},
     "powersgd": powersgd_warm_start,
     "topk": topk_bytes,
     "diloco": diloco_as_local_sgd,
     "ps-async": async_one_worker,
+    "ep2-moe": expert_parallel,
 }
 
 

@@ -28,3 +28,21 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=False, metadata={"help": "llama: the head shares the token embedding (gpt2 always does)"}
     )
+    moe_experts: int = field(
+        default=0, metadata={"help": "routed experts per MoE feed-forward (0: dense feed-forwards)"}
+    )
+    moe_top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
+    moe_every: int = field(default=1, metadata={"help": "every k-th block's feed-forward is MoE (1: all of them)"})
+    moe_shared_expert: bool = field(default=False, metadata={"help": "an always-on expert beside the routed ones"})
+    moe_score: str = field(default="softmax", metadata={"help": "router scores: softmax or sigmoid"})
+    moe_aux_loss: float = field(
+        default=0.01, metadata={"help": "coefficient of the load-balancing loss (Switch/GShard, per sequence)"}
+    )
+    moe_bias_balance: bool = field(
+        default=False, metadata={"help": "loss-free balancing: a per-expert routing bias (DeepSeek-V3)"}
+    )
+    moe_bias_rate: float = field(default=1e-3, metadata={"help": "loss-free balancing: bias update per step"})
+    moe_z_loss: float = field(default=0.0, metadata={"help": "coefficient of the router z-loss (ST-MoE)"})
+    moe_capacity: float = field(
+        default=0.0, metadata={"help": "capacity factor: tokens over it are dropped and counted (0: dropless)"}
+    )

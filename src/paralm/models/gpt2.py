@@ -21,6 +21,7 @@ from torch import nn
 
 from paralm.models.config import ModelConfig
 from paralm.models.kv_cache import KVCache, LayerCache, attend
+from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.seeding import seed_parameter
 
 TIED = {"lm_head.weight": "wte.weight"}  # the head multiplies by the token embedding, as GPT-2
@@ -57,12 +58,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = MLP(config)
+        moe = is_moe_block(config, index)  # GELU experts of the MLP's width, without biases
+        self.mlp = MoE(config, 4 * config.d_model, gated=False) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache=cache)
@@ -76,7 +78,7 @@ class GPT(nn.Module):
         self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe: nn.Embedding | None = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
@@ -85,7 +87,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer), zero
-        biases, unit LayerNorm gains. Each parameter draws from `seed` and its name (a head holding
+        biases, unit LayerNorm gains, zero buffers. Each parameter draws from `seed` and its name (a head holding
         its own copy of the tied embedding draws as the embedding).
 
         Separate from `__init__` so a model built on the meta device can be materialised later.
@@ -104,8 +106,10 @@ class GPT(nn.Module):
                 elif kind == "bias":
                     nn.init.zeros_(param)
                 else:
-                    std = residual_std if module_name.endswith(("attn.wo", "mlp.proj")) else 0.02
+                    std = residual_std if name.endswith(("attn.wo.weight", "mlp.proj.weight", *RESIDUAL)) else 0.02
                     nn.init.normal_(param, mean=0.0, std=std)
+        for buffer in self.buffers():  # an MoE router's balancing bias
+            buffer.zero_()
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None

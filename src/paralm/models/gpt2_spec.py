@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT, TIED
+from paralm.models.moe import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
@@ -56,6 +57,7 @@ def shape(config: ModelConfig) -> ModelShape:
         mlp_traffic=8 * d,  # the GELU reads and writes 4d
         rotary_width=0,
         elementwise_kernels=9,  # 2 LayerNorms, 2 residual adds, the GELU, 4 reshapes and casts
+        moe=moe_shape(config, layer[1:], dense_ffn_params=8 * d * d + (5 * d if bias else 0)),
     )
 
 
@@ -88,6 +90,10 @@ _QKV = ("wq", "wk", "wv")
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """Arguments for `transformers.GPT2Config` describing the same architecture."""
+    if c.moe_experts:
+        raise UserError(
+            "Hugging Face GPT-2 has no mixture-of-experts layers: a model with model.moe_experts > 0 does not export"
+        )
     if not c.bias:
         raise UserError("Hugging Face GPT-2 has biases everywhere: only models with model.bias = true map to it")
     return dict(

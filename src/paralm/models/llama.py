@@ -23,6 +23,7 @@ from torch import nn
 
 from paralm.models.config import ModelConfig
 from paralm.models.kv_cache import KVCache, LayerCache, attend
+from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.seeding import seed_parameter
 
 TIED = {"output.weight": "tok_embeddings.weight"}  # with model.tie_embeddings
@@ -99,12 +100,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        moe = is_moe_block(config, index)  # SwiGLU experts of the feed-forward's width
+        self.feed_forward = MoE(config, ffn_hidden(config), gated=True) if moe else FeedForward(config)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
@@ -119,7 +121,7 @@ class Llama(nn.Module):
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -129,7 +131,7 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """N(0, 0.02) matrices, the residual projections (wo, w2) scaled by 1/sqrt(2·n_layer), unit
-        RMSNorm gains; each parameter draws from `seed` and its full-model name (a tied head's copy as
+        RMSNorm gains, zero buffers; each parameter draws from `seed` and its full-model name (a tied head's copy as
         the embedding), so a pipeline stage or a meta-built model initialises as the whole model."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         done: set[int] = set()
@@ -141,8 +143,11 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
             else:
-                std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
+                residual = ("attention.wo.weight", "feed_forward.w2.weight", *RESIDUAL)
+                std = residual_std if name.endswith(residual) else 0.02
                 nn.init.normal_(param, mean=0.0, std=std)
+        for buffer in self.buffers():  # an MoE router's balancing bias
+            buffer.zero_()
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None

@@ -7,7 +7,8 @@ gathered sequence, at global positions.
 
 Hugging Face's `LlamaForCausalLM` is the same module under other names: its rotary layout is the
 `rotate_half` one paralm uses, so weights map one to one. Import also accepts the relatives that
-compute the same function (Mistral without a sliding window, Qwen2 without q/k/v biases).
+compute the same function (Mistral without a sliding window, Qwen2 without q/k/v biases);
+with MoE feed-forwards it is `MixtralForCausalLM` (`paralm.models.mixtral_hf`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
+from paralm.models import mixtral_hf
 from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
+from paralm.models.moe import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
@@ -57,6 +60,7 @@ def shape(config: ModelConfig) -> ModelShape:
         # 2 RMSNorms, 2 residual adds, SiLU, product, 4 reshapes and casts; `rotate` on q and on k (8
         # kernels each, 10 more for its cos and sin tables) and the positions
         elementwise_kernels=10 + 2 * (8 + 10) + 1,
+        moe=moe_shape(config, layer[2:], dense_ffn_params=3 * d * hidden),
     )
 
 
@@ -116,8 +120,10 @@ _RENAMES = {
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """Arguments for `transformers.LlamaConfig` describing the same architecture."""
-    return dict(
+    """Arguments for `transformers.LlamaConfig` describing the same architecture (with MoE feed-forwards:
+    `MixtralConfig`'s)."""
+    mixtral = mixtral_hf.config_to_hf(c) if c.moe_experts else {}
+    return mixtral | dict(
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
         intermediate_size=ffn_hidden(c),
@@ -154,7 +160,8 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "sliding_window": (window if window is not None and window < block_size else None, None),
     }
     refuse_differences(source, "Llama", differences)
-    return dict(
+    mixtral = mixtral_hf.config_from_hf(hf, source) if hf.get("model_type") == "mixtral" else {}
+    return mixtral | dict(
         family="llama",
         n_layer=hf.get("num_hidden_layers", 32),
         n_head=heads,
@@ -175,28 +182,34 @@ def _renamed(config: ModelConfig) -> list[tuple[str, str]]:
     pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     if not config.tie_embeddings:
         pairs.append(("output.weight", "lm_head.weight"))
+    renames = {k: v for k, v in _RENAMES.items() if not (config.moe_experts and k.startswith("feed_forward"))}
     for i in range(config.n_layer):
-        pairs += [(f"layers.{i}.{name}.weight", f"model.layers.{i}.{hf}.weight") for name, hf in _RENAMES.items()]
+        pairs += [(f"layers.{i}.{name}.weight", f"model.layers.{i}.{hf}.weight") for name, hf in renames.items()]
     return pairs
 
 
 def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
-    """HF Llama's tensors, named as `LlamaForCausalLM.save_pretrained` writes them."""
-    return {hf: sd[name].detach().contiguous() for name, hf in _renamed(config)}
+    """HF Llama's tensors, named as `LlamaForCausalLM.save_pretrained` writes them (Mixtral's for MoE)."""
+    out = {hf: sd[name] for name, hf in _renamed(config)}
+    if config.moe_experts:
+        out |= mixtral_hf.to_hf(sd, config)
+    return {k: v.detach().contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
     """paralm's state dict from HF Llama weights (the inverse of `to_hf`)."""
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.moe_experts:
+        hf = mixtral_hf.stacked(hf, config)
     pairs = _renamed(config)
-    expected = {h for _, h in pairs}
+    expected = {h for _, h in pairs} | (mixtral_hf.expected_names(config) if config.moe_experts else set())
     missing = sorted(expected - set(hf))
     if missing:
         raise UserError(f"{source}: missing weights ({', '.join(missing[:3])}...): not a Llama model paralm can load")
     extra = sorted(set(hf) - expected - ({"lm_head.weight"} if config.tie_embeddings else set()))
     if extra:
         raise UserError(f"{source}: weights paralm's Llama has no place for: {', '.join(extra[:3])}")
-    out = {name: hf[h] for name, h in pairs}
+    out = {name: hf[h] for name, h in pairs} | (mixtral_hf.from_hf(hf, config) if config.moe_experts else {})
     if config.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return {k: v.float().contiguous() for k, v in out.items()}
@@ -219,6 +232,6 @@ SPEC = ModelSpec(
         config_from_hf=config_from_hf,
         to_hf=to_hf,
         from_hf=from_hf,
-        related=("mistral", "qwen2"),
+        related=("mistral", "qwen2", "mixtral"),
     ),
 )

@@ -12,6 +12,26 @@ from functools import cached_property
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts blocks of a model (`paralm.models.moe`): what they add to, and take from, a
+    dense block's counts. Their attention and norms are a dense block's."""
+
+    layers: int  # blocks whose feed-forward is MoE
+    experts: int  # routed experts per MoE block
+    top_k: int  # routed experts per token
+    shared: int  # always-on experts per MoE block (0 or 1)
+    expert_params: int  # one expert's weights
+    router_params: int  # the router's d_model x experts
+    dense_ffn_params: int  # the dense feed-forward (matrices and biases) an MoE block has instead
+    expert_matrices: tuple[tuple[int, int, int], ...] = ()  # one expert's (rows, columns, how many)
+    dense_ffn_matrices: tuple[tuple[int, int, int], ...] = ()  # the dense feed-forward's, in `layer_matrices`
+
+    def params(self, experts: int) -> int:
+        """What the MoE blocks add to the dense model's count, with `experts` of each block counted."""
+        return self.layers * (self.router_params + (experts + self.shared) * self.expert_params - self.dense_ffn_params)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Parameter counts by how tensor parallelism treats them, and the dimensions the cost model needs."""
 
@@ -38,6 +58,7 @@ class ModelShape:
     mlp_traffic: int  # what the MLP's activation kernels read and write, forward
     rotary_width: int  # q and k elements rotated by RoPE; 0 without it
     elementwise_kernels: int  # kernels of a block's forward besides its matmuls and attention
+    moe: MoEShape | None = None  # the MoE blocks; the fields above describe the dense blocks
 
     @cached_property
     def layer_params(self) -> int:
@@ -45,16 +66,21 @@ class ModelShape:
 
     @cached_property
     def params(self) -> int:
-        """Every parameter, counted once (a tied head with its embedding)."""
+        """Every parameter, counted once (a tied head with its embedding; every expert)."""
         outer = self.embedding_params + self.head_params + self.position_params + self.final_norm_params
-        return outer + self.n_layer * self.layer_params
+        return outer + self.n_layer * self.layer_params + (self.moe.params(self.moe.experts) if self.moe else 0)
+
+    @cached_property
+    def active_params(self) -> int:
+        """The parameters a token meets: an MoE block counts its router, shared and top-k experts only."""
+        return self.params - (self.moe.params(self.moe.experts) - self.moe.params(self.moe.top_k) if self.moe else 0)
 
     @cached_property
     def flops_params(self) -> int:
-        """N of the FLOP convention: the parameters that multiply activations. Lookup tables do not: the
-        position table, and the token embedding when the head has a matrix of its own (an untied head;
-        a tied one multiplies by the embedding)."""
-        return self.params - self.position_params - (self.embedding_params if self.head_params else 0)
+        """N of the FLOP convention: the active parameters that multiply activations. Lookup tables do not:
+        the position table, and the token embedding when the head has a matrix of its own (an untied
+        head; a tied one multiplies by the embedding)."""
+        return self.active_params - self.position_params - (self.embedding_params if self.head_params else 0)
 
     @cached_property
     def flops_per_token(self) -> int:
@@ -72,10 +98,12 @@ class ModelShape:
     def layer_forward_flops(self, tokens: int) -> tuple[float, float]:
         """(matmul-with-weights, attention-core) forward FLOPs of one block for `tokens` tokens.
 
-        Weights: 2 FLOPs per parameter per token; attention: QK^T and AV, 2 * 2 * d * s per token.
+        Weights: 2 FLOPs per active parameter per token (an MoE model's blocks on average); attention:
+        QK^T and AV, 2 * 2 * d * s per token.
         Backward costs twice each: half for input gradients, half for weight gradients (weights only).
         """
-        return 2 * self.layer_params * tokens, 4 * self.d_model * self.block_size * tokens
+        experts = self.moe.params(self.moe.top_k) / self.n_layer if self.moe else 0  # MoE blocks' active, spread
+        return 2 * (self.layer_params + experts) * tokens, 4 * self.d_model * self.block_size * tokens
 
     def head_forward_flops(self, tokens: int) -> float:
         """The LM head matmul and final norm, forward (the embedding lookup costs no FLOPs)."""

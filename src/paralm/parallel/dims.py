@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from paralm.config import ParallelConfig, SyncConfig
 from paralm.degrees import resolve_data_parallel
+from paralm.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -31,6 +32,7 @@ class ParallelDims:
     sync_mode: str = "allreduce"  # `sync.mode`
     forced: bool = False  # `parallel.force_distributed` on a 1-rank job: it takes the distributed paths
     sequence_parallel: bool = False  # `parallel.sequence_parallel`
+    ep: int = 1  # `parallel.ep`: inside dp_shard, not a mesh dim of its own (`paralm.parallel.expert`)
 
     @property
     def dp(self) -> int:
@@ -87,6 +89,10 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
@@ -108,6 +114,8 @@ class ParallelDims:
         The parameter servers (`sync.servers` ranks) stand outside the mesh: the degrees cover the other ranks.
         """
         replicate, shard = resolve_data_parallel(parallel, world_size, sync.servers)
+        if shard % parallel.ep:
+            raise UserError(f"parallel.ep = {parallel.ep} must divide the sharded data-parallel degree {shard}")
         return cls(
             pp=parallel.pp,
             dp_replicate=replicate,
@@ -117,6 +125,7 @@ class ParallelDims:
             sync_mode=sync.mode,
             forced=parallel.force_distributed and world_size == 1,
             sequence_parallel=parallel.sequence_parallel,
+            ep=parallel.ep,
         )
 
     @classmethod

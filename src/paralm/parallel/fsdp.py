@@ -38,10 +38,16 @@ def fsdp_mesh(runtime: Runtime) -> DeviceMesh:
 
 
 def apply_fsdp(
-    model: nn.Module, blocks: nn.ModuleDict, runtime: Runtime, parallel: ParallelConfig, precision: PrecisionConfig
+    model: nn.Module,
+    blocks: nn.ModuleDict,
+    runtime: Runtime,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard `model` in place (its class becomes an `FSDPModule`) at the ZeRO stage of `runtime.dims`, each of
-    its `blocks` a unit of its own; works on meta-device models."""
+    its `blocks` a unit of its own; works on meta-device models. `ignored`: parameters synced otherwise
+    (expert parallelism's)."""
     compute = precision.dtype
     offload = parallel.cpu_offload
     policy = {
@@ -51,6 +57,7 @@ def apply_fsdp(
             reduce_dtype=torch_dtype(precision.reduce_dtype),
         ),
         "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
+        "ignored_params": ignored,
     }
     reshard = runtime.dims.zero == 3
     for block in blocks.values():

@@ -18,12 +18,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
 from paralm.config import CommConfig, Config, SyncConfig
+from paralm.models.moe import take_statistics, update_balance
 from paralm.models.registry import model_spec
 from paralm.models.spec import tied_parameters
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
+from paralm.parallel.expert import ExpertParallel
 from paralm.parallel.fsdp import apply_fsdp
 from paralm.parallel.local_sgd import ModelAverager
 from paralm.parallel.materialize import has_meta_tensors, materialize
@@ -50,13 +52,24 @@ class ParallelPlan:
     straggler: SyncConfig  # who sleeps in `before_step`, and how long
     tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
+    experts: ExpertParallel | None = None  # expert parallelism: its expert gradients sync here
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
         loss = self.runner.forward_backward(batches, scale)
         if self.runtime.dims.tp_enabled:
             reduce_partial_gradients(self.model)
+        if self.experts is not None:
+            self.experts.reduce_gradients()
         return loss
+
+    def routing_step(self, skipped: torch.Tensor) -> torch.Tensor | None:
+        """After the optimizer step: the step's MoE routing statistics (None without MoE layers), and the
+        loss-free balancing bias moved by them."""
+        statistics = take_statistics(self.model)
+        if statistics is not None:
+            update_balance(self.model, statistics, self.runtime.dp_group, skipped)
+        return statistics
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
@@ -89,11 +102,12 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     """
     dims, spec, dtype = runtime.dims, model_spec(config.model), config.precision.dtype
     tied = tied_parameters(model, spec)  # before a pipeline cut makes the head a copy
+    experts = ExpertParallel(model, runtime) if dims.ep_enabled else None  # before DDP/FSDP, which skip them
     if dims.pp_enabled:  # stages are cut on the meta device, each materialised by `parallelize_stage`
         stage = lambda part: parallelize_stage(part, runtime, config)  # noqa: E731
         module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, stage)
     else:
-        module = parallelize_stage(model, runtime, config)
+        module = parallelize_stage(model, runtime, config, experts)
         runner = PlainStep(module, runtime.device, dtype, dims.tp)
     return ParallelPlan(
         model=model,
@@ -104,6 +118,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         straggler=config.sync,
         tied=tuple(tied),
         scaler_group=runtime.dp_group if dims.shards_gradients else None,
+        experts=experts,
     )
 
 
@@ -125,7 +140,9 @@ def _sync_strategy(
     return SyncStrategy()
 
 
-def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.Module:
+def parallelize_stage(
+    model: nn.Module, runtime: Runtime, config: Config, experts: ExpertParallel | None = None
+) -> nn.Module:
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     dims, spec = runtime.dims, model_spec(config.model)
     if dims.tp_enabled:
@@ -136,13 +153,14 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config) -> nn.
         check_compile(config, runtime.device.type)
         apply_compile(blocks)
     if dims.fsdp_enabled:
-        apply_fsdp(
-            model, blocks, runtime, config.parallel, config.precision
-        )  # ZeRO-2/3 (ZeRO-1: paralm.parallel.zero1)
+        ignored = set(experts.parameters) if experts else None
+        apply_fsdp(model, blocks, runtime, config.parallel, config.precision, ignored)  # ZeRO-2/3 (ZeRO-1: zero1)
     if has_meta_tensors(model):  # after sharding, so each rank allocates only its shards of the initial weights
         materialize(model, runtime.device, config.train.seed, offload=config.parallel.cpu_offload)
     if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
         if dims.tp_enabled or dims.pp_enabled:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
+        if experts:
+            experts.hide_from_ddp(model)
         return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `_sync_strategy`
     return model

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paralm.models.loss import cross_entropy_loss
+from paralm.models.moe import pop_auxiliary_loss
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.tensor import local_value, loss_context
 from paralm.train.precision import autocast
@@ -41,7 +42,8 @@ class PlainStep:
             with gradient_sync(self.module, sync=i == len(batches) - 1), loss_context(self.tp):
                 with autocast(self.device, self.dtype):
                     loss = cross_entropy_loss(self.module(x), y) / len(batches)
-                scale(loss).backward()
+                    aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss
+                scale(loss if aux is None else loss + aux / len(batches)).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum
 

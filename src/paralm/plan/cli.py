@@ -69,6 +69,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.cluster import parse_cluster
+    from paralm.plan.moe import moe_summary
     from paralm.plan.report import plans_table, summary
     from paralm.plan.request import load_request
     from paralm.plan.search import search
@@ -94,6 +95,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print()
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
+    if experts := moe_summary(work.shape, work, cluster):
+        print(experts)
     print(f"{len(plans)} layouts fit (of each, the largest micro-batch that fits); the fastest {len(shown)}:")
     print(plans_table(shown))
     if args.write_config:

@@ -96,6 +96,15 @@ def block_forward(
     linear = sum(
         count * matmul(cluster, dtype, tokens, rows * cols // d / t, d, e) for rows, cols, count in shape.layer_matrices
     )
+    if shape.moe is not None:  # MoE blocks: each expert multiplies its share of the routed tokens instead
+        moe = shape.moe
+        routed = tokens * moe.top_k / moe.experts
+
+        def ffn(matrices: tuple[tuple[int, int, int], ...], rows_in: float) -> float:
+            return sum(count * matmul(cluster, dtype, rows_in, r * c // d, d, e) for r, c, count in matrices)
+
+        experts = moe.experts * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, tokens)
+        linear += moe.layers / shape.n_layer * (experts - ffn(moe.dense_ffn_matrices, tokens))
     head_dim = d // shape.n_head
     # The fused kernel multiplies tiles of queries and keys (s x hd by hd x s): a curve measured on thin
     # matrices is read at their smallest side, hd, as every matmul's; a square-GEMM curve at the tiles'

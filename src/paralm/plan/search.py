@@ -30,7 +30,7 @@ from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
 from paralm.plan.timing import StepTime, step_time
-from paralm.rules import layout_problem, microbatch_problem
+from paralm.rules import checkpointing_problem, layout_problem, microbatch_problem
 
 AC_BY_COST = ("none", "selective", "full")
 
@@ -225,7 +225,13 @@ def _micro_batch_groups(
     if not sizes:
         rejected[f"{per_replica} sequences per data-parallel rank do not split into the fixed micro-batches"] += 1
         return
-    acs = _choices(fixed, "train.activation_checkpointing", list(AC_BY_COST))
+    acs = []
+    for ac in _choices(fixed, "train.activation_checkpointing", list(AC_BY_COST)):
+        problem = checkpointing_problem(dataclasses.replace(base, activation_checkpointing=ac).apply_to(config))
+        if problem:
+            rejected[problem] += 1
+        else:
+            acs.append(ac)
     for microbatches in _pipeline_counts(config, base, fixed, sizes, rejected):
         multiples = [size for size in sizes if size % microbatches == 0]
         yield dataclasses.replace(base, pp_microbatches=microbatches), per_replica, multiples, acs

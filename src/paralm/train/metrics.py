@@ -102,6 +102,8 @@ class MetricsLogger:
 
     def progress(self, row: dict[str, Any]) -> None:
         summary = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.1f}%"
+        if row.get("moe_load_imbalance") is not None:
+            summary += f" | moe max/mean {row['moe_load_imbalance']:.2f}"
         if row.get("val_loss") is not None:
             summary += f" | val {row['val_loss']:.4f}"
         if self._interactive:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from paralm.models.moe import balance_figures
 from paralm.parallel.runtime import Runtime
 from paralm.train.metrics import Throughput, step_row
 
@@ -40,6 +41,7 @@ class StepMetrics:
     loss_divisor: int  # ranks holding a copy of each shard's loss: dp x tp
     every: int  # read back every `every` steps
     comm_bytes: bool = False  # bytes are counted (`log.comm_bytes`): rows carry them, else none
+    moe_experts: int = 0  # experts per MoE layer: rows carry the routing balance (`paralm.models.moe`)
     _pending: list[_Pending] = field(default_factory=list)
     _window_start: float | None = None
 
@@ -58,11 +60,13 @@ class StepMetrics:
         grad_norm: torch.Tensor,
         counters: dict[str, int],
         skipped: torch.Tensor | None = None,
+        moe: torch.Tensor | None = None,
         **host: Any,
     ) -> None:
         """Record a step without waiting for the device. `counters`: `comm_bytes` (summed over ranks, when
         counted) and the memory figures (maximised), host integers. `skipped`: the bad-step flag, on the
-        device (None: the step cannot be skipped that way)."""
+        device (None: the step cannot be skipped that way). `moe`: the step's routing statistics, on the
+        device, summed over ranks (`paralm.models.moe.take_statistics`)."""
         on_host = torch.tensor(
             [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA if k not in self.ON_DEVICE)],
             dtype=torch.float64,
@@ -72,7 +76,8 @@ class StepMetrics:
         on_host = on_host.to(self.runtime.device, non_blocking=True)
         flag = torch.zeros((), dtype=torch.float64, device=loss.device) if skipped is None else skipped.double()
         device = torch.stack([loss.detach().double(), grad_norm.detach().double(), flag])
-        values = torch.cat([device[:1], on_host[:1], device[1:], on_host[1:]])  # in SUMS then MAXIMA order
+        routing = [moe.double()] if moe is not None else []
+        values = torch.cat([device[:1], on_host[:1], *routing, device[1:], on_host[1:]])  # SUMS, moe, MAXIMA
         self._pending.append(_Pending(step, values, host))
 
     def due(self, steps_done: int) -> bool:
@@ -82,10 +87,14 @@ class StepMetrics:
         """Every pending step's row, reduced over the ranks (a collective: every rank calls it at the same step)."""
         if not self._pending:
             return []
-        reduced = self.runtime.reduce_metrics(torch.stack([p.values for p in self._pending]), len(self.SUMS)).tolist()
+        table = torch.stack([p.values for p in self._pending])
+        sums = table.shape[1] - len(self.MAXIMA)  # SUMS and the routing statistics
+        reduced = self.runtime.reduce_metrics(table, sums).tolist()
         seconds = (time.perf_counter() - self._window_start) / len(self._pending)
         rows = []
         for pending, values in zip(self._pending, reduced, strict=True):
+            routing = values[len(self.SUMS) : sums]
+            values = values[: len(self.SUMS)] + values[sums:]
             named = dict(zip(self.SUMS + self.MAXIMA, values, strict=True))
             loss, grad_norm, comm_bytes, skipped = (
                 named.pop(k) for k in ("loss", "grad_norm", "comm_bytes", "skipped")
@@ -101,6 +110,7 @@ class StepMetrics:
                     **{k: int(v) for k, v in named.items()},
                     **host,
                     **({"comm_bytes": int(comm_bytes)} if self.comm_bytes else {}),
+                    **(balance_figures(routing, self.loss_divisor, self.moe_experts) if routing else {}),
                 )
             )
         self._pending, self._window_start = [], None

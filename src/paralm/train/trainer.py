@@ -68,6 +68,7 @@ class Trainer:
             loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
             comm_bytes=config.log.comm_bytes,
+            moe_experts=config.model.moe_experts,
         )
         self.logger = None
         if runtime.is_main:
@@ -156,6 +157,7 @@ class Trainer:
         # on the device: a bad step is skipped without the host reading whether it was (fp16: the scaler's)
         skipped, scaling = self.bad.step(self.optimizer, engine.scaler, grad_norm)
         engine.plan.sync.settle(skipped, engine.scaler.rescale)  # a skipped step leaves its state as it was
+        routing = engine.plan.routing_step(skipped)  # MoE: the step's balance, and loss-free balancing
         self.optimizer.zero_grad(set_to_none=True)
         engine.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
         self.samples_seen += engine.layout.global_batch
@@ -174,6 +176,7 @@ class Trainer:
             grad_norm,
             counters,
             flag,
+            routing,
             lr=lr,
             samples_seen=self.samples_seen,
             **scaling,

@@ -1,0 +1,243 @@
+"""A mixture-of-experts feed-forward for any family: a router sends each token to `moe_top_k` of
+`moe_experts` expert MLPs (a family picks their kind: GPT-2's GELU MLP, Llama's SwiGLU).
+
+The layer knows nothing about ranks. Routed tokens reach the experts sorted by expert, with the count
+per expert, so expert parallelism (`paralm.parallel.expert`) only has to wrap `MoE.experts`: it sends
+each expert's tokens to the rank holding it and brings the outputs back.
+
+Balance, three ways, each optional:
+- an auxiliary loss (Switch/GShard: E * sum_e f_e P_e, 1 when balanced), computed per sequence and
+  averaged over sequences (DeepSeek-V3's sequence-wise form), so its value and gradient do not depend
+  on how a batch is split over ranks and micro-batches;
+- loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing experts only,
+  moved after each step towards the under-loaded experts (`update_balance`, outside autograd);
+- a router z-loss (ST-MoE) keeping the router's logits small.
+Routing is dropless unless `moe_capacity` > 0: then each expert takes at most capacity x T x k / E of
+a micro-batch's T tokens, and the rest are dropped (they pass through the residual) and counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from paralm.errors import UserError
+from paralm.models.config import ModelConfig
+from paralm.models.shape import MoEShape
+
+RESIDUAL = ("experts.w2", "shared.w2")  # output projections: the families scale their initial std
+
+
+def is_moe_block(config: ModelConfig, index: int) -> bool:
+    """Whether block `index` has an MoE feed-forward: every `moe_every`-th block, counting from 1."""
+    return config.moe_experts > 0 and (index + 1) % config.moe_every == 0
+
+
+def moe_shape(
+    config: ModelConfig, ffn_matrices: tuple[tuple[int, int, int], ...], dense_ffn_params: int
+) -> MoEShape | None:
+    """The MoE blocks' counts, for a family whose feed-forward has the weight matrices `ffn_matrices`
+    (an expert has the same, without biases) and `dense_ffn_params` parameters (None for a dense model)."""
+    if config.moe_experts == 0:
+        return None
+    return MoEShape(
+        layers=sum(is_moe_block(config, i) for i in range(config.n_layer)),
+        experts=config.moe_experts,
+        top_k=config.moe_top_k,
+        shared=int(config.moe_shared_expert),
+        expert_params=sum(rows * cols * count for rows, cols, count in ffn_matrices),
+        router_params=config.d_model * config.moe_experts,
+        dense_ffn_params=dense_ffn_params,
+        expert_matrices=ffn_matrices,
+        dense_ffn_matrices=ffn_matrices,
+    )
+
+
+def check_moe(config: ModelConfig) -> None:
+    """One-line errors for MoE settings that cannot run."""
+    if config.moe_experts == 0:
+        return
+    if config.moe_experts < 0:
+        raise UserError(f"model.moe_experts = {config.moe_experts} must be 0 (dense) or a number of experts")
+    if not 1 <= config.moe_top_k <= config.moe_experts:
+        raise UserError(
+            f"model.moe_top_k = {config.moe_top_k} must be between 1 and model.moe_experts = {config.moe_experts}"
+        )
+    if config.moe_every < 1:
+        raise UserError(f"model.moe_every = {config.moe_every} must be at least 1")
+    if config.moe_score not in ("softmax", "sigmoid"):
+        raise UserError(f"model.moe_score = {config.moe_score!r} must be 'softmax' or 'sigmoid'")
+    for name in ("moe_aux_loss", "moe_z_loss", "moe_capacity", "moe_bias_rate"):
+        if getattr(config, name) < 0:
+            raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight (expert parallelism makes it a DTensor sharded by expert)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class GroupedExperts(nn.Module):
+    """`num` MLPs with weights stacked on a leading expert dimension: `gated` SwiGLU (w2(silu(w1 x) *
+    w3 x)), else GELU (w2(gelu(w1 x))). Takes tokens sorted by expert and the count of each."""
+
+    def __init__(self, num: int, d_model: int, hidden: int, gated: bool) -> None:
+        super().__init__()
+        self.gated = gated
+        self.w1 = nn.Parameter(torch.empty(num, hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(num, d_model, hidden))
+        self.w3 = nn.Parameter(torch.empty(num, hidden, d_model)) if gated else None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2 = local(self.w1), local(self.w2)
+        w3 = local(self.w3) if self.gated else None
+        outs = []
+        for i, chunk in enumerate(x.split(counts.tolist())):  # the split sizes are read on the host
+            h = chunk @ w1[i].t()
+            h = F.silu(h) * (chunk @ w3[i].t()) if self.gated else F.gelu(h)
+            outs.append(h @ w2[i].t())
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    """Router, routed experts and an optional shared expert. In training, each forward keeps its
+    auxiliary loss (`pop_auxiliary_loss`) and adds to the step's routing statistics (`take_statistics`)."""
+
+    def __init__(self, config: ModelConfig, hidden: int, gated: bool) -> None:
+        super().__init__()
+        self.config = config
+        experts, d = config.moe_experts, config.d_model
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = GroupedExperts(experts, d, hidden, gated)
+        self.shared = GroupedExperts(1, d, hidden, gated) if config.moe_shared_expert else None
+        self.register_buffer("expert_bias", torch.zeros(experts))  # loss-free balancing; saved in checkpoints
+        self.dropout = nn.Dropout(config.dropout)
+        self.aux_loss: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None  # tokens routed to each expert this step (before drops)
+        self.dropped: torch.Tensor | None = None
+        self.balance: torch.Tensor | None = None  # the balance loss (1: balanced), summed over forwards
+        self.forwards = 0
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, scores, chosen experts (T, k), their weights (T, k)) for tokens `x` (T, d)."""
+        c = self.config
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()
+        choice = scores + self.expert_bias if c.moe_bias_balance else scores
+        chosen = choice.topk(c.moe_top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if c.moe_top_k > 1 or c.moe_score == "sigmoid":  # Mixtral's and DeepSeek-V3's normalisation
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        c, k = self.config, self.config.moe_top_k
+        flat = x.reshape(-1, d)
+        logits, scores, chosen, weights = self.route(flat)
+        assigned = chosen.flatten()
+        order = assigned.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
+        counts = torch.bincount(assigned, minlength=c.moe_experts)
+        kept = counts
+        if c.moe_capacity > 0:
+            capacity = math.ceil(c.moe_capacity * flat.shape[0] * k / c.moe_experts)
+            first = counts.cumsum(0) - counts
+            place = torch.arange(order.numel(), device=x.device) - first[assigned[order]]
+            order, kept = order[place < capacity], counts.clamp(max=capacity)
+        token = order // k
+        routed = self.experts(flat[token], kept) * weights.flatten()[order, None].to(flat.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token, routed)
+        if self.shared is not None:
+            out = out + self.shared(flat, torch.tensor([flat.shape[0]]))
+        if self.training:
+            self._account(logits, scores, chosen, counts, kept, batch)
+        return self.dropout(out.view(batch, seq, d))
+
+    def _account(
+        self,
+        logits: torch.Tensor,
+        scores: torch.Tensor,
+        chosen: torch.Tensor,
+        counts: torch.Tensor,
+        kept: torch.Tensor,
+        batch: int,
+    ) -> None:
+        """The auxiliary loss of this forward, and its routing added to the step's statistics (on the device)."""
+        c, experts = self.config, self.config.moe_experts
+        probs = scores if c.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        share = probs.view(batch, -1, experts).mean(1)  # P: mean score per sequence and expert
+        picks = chosen.view(batch, -1)
+        routed = torch.zeros(batch, experts, device=picks.device).scatter_add_(1, picks, torch.ones_like(picks).float())
+        balance = experts * (routed / picks.shape[1] * share).sum(-1).mean()
+        aux = c.moe_aux_loss * balance + c.moe_z_loss * torch.logsumexp(logits, -1).square().mean()
+        self.aux_loss = aux if c.moe_aux_loss or c.moe_z_loss else None
+        with torch.no_grad():
+            if self.load is None:
+                self.load = torch.zeros(experts, device=counts.device)
+                self.dropped = torch.zeros((), device=counts.device)
+                self.balance = torch.zeros((), device=counts.device)
+            self.load += counts
+            self.dropped += (counts - kept).sum()
+            self.balance += balance.detach()
+            self.forwards += 1
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def pop_auxiliary_loss(module: nn.Module) -> torch.Tensor | None:
+    """The auxiliary losses of the MoE layers' last forward, summed (None without any); each is taken once."""
+    losses = []
+    for layer in moe_layers(module):
+        if layer.aux_loss is not None:
+            losses.append(layer.aux_loss)
+            layer.aux_loss = None
+    return torch.stack(losses).sum() if losses else None
+
+
+def take_statistics(module: nn.Module) -> torch.Tensor | None:
+    """This step's routing of this rank, as sums over ranks make sense of (see `balance_figures`):
+    [balance loss mean over forwards and layers, dropped tokens, tokens per expert of each layer...];
+    the statistics start again. None without MoE layers that ran."""
+    layers = [layer for layer in moe_layers(module) if layer.forwards]
+    if not layers:
+        return None
+    balance = torch.stack([layer.balance / layer.forwards for layer in layers]).mean()
+    dropped = torch.stack([layer.dropped for layer in layers]).sum()
+    values = torch.cat([balance.view(1), dropped.view(1), *(layer.load for layer in layers)])
+    for layer in layers:
+        layer.load = layer.dropped = layer.balance = None
+        layer.forwards = 0
+    return values
+
+
+def balance_figures(summed: list[float], replicas: int, experts: int) -> dict[str, float]:
+    """Metrics of `take_statistics`' vectors summed over ranks (`replicas` ranks see different data):
+    the balance loss (mean), dropped tokens, and the worst layer's max/mean tokens per expert."""
+    loads = torch.tensor(summed[2:]).view(-1, experts)
+    imbalance = (loads.amax(1) / loads.mean(1).clamp(min=1e-9)).max().item()
+    return {"moe_aux_loss": summed[0] / replicas, "moe_dropped_tokens": int(summed[1]), "moe_load_imbalance": imbalance}
+
+
+@torch.no_grad()
+def update_balance(
+    module: nn.Module, statistics: torch.Tensor, group: dist.ProcessGroup | None, skipped: torch.Tensor
+) -> None:
+    """Loss-free balancing, after a step: each layer's bias moves by `moe_bias_rate` towards its
+    under-loaded experts, by the tokens per expert of the whole step (`statistics` of
+    `take_statistics`, this rank's, summed here over `group`); a skipped step moves nothing."""
+    layers = moe_layers(module)
+    if not layers or not layers[0].config.moe_bias_balance:
+        return
+    loads = statistics[2:].clone()
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    for layer, load in zip(layers, loads.view(len(layers), -1), strict=True):
+        step = layer.config.moe_bias_rate * torch.sign(load.mean() - load)
+        layer.expert_bias += step * (~skipped).to(step.dtype)

@@ -1,0 +1,141 @@
+"""Expert parallelism: each MoE layer's routed experts split over the `parallel.ep` ranks of a group.
+
+As torchtitan, ep lives inside the data-parallel ranks: the dp_shard ranks are cut into groups of `ep`
+neighbours; the ranks of a group see different data and hold different experts (a DTensor sharded
+by expert, so checkpoints are saved by expert and load at any ep), and the groups hold copies.
+Around each `MoE.experts` call (tokens sorted by expert, the count per expert) the tokens travel to
+the rank holding their expert and back, by `all_to_all_single`: the counts first (fixed sizes), then
+the tokens with those splits. Routing itself is unchanged, so with dropless routing a step computes
+what one process computes.
+
+Gradients: the dense parameters sync as without ep (DDP or FSDP, which leave the experts alone).
+An expert's gradient on its rank already sums the contributions of every token of its ep group, each
+scaled by its own rank's loss; `reduce_expert_gradients` adds those of the groups holding copies and
+divides by the data-parallel degree, which makes it the global batch's mean gradient as DDP's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+from paralm import compat
+from paralm.config import Config
+from paralm.errors import UserError
+from paralm.models.moe import moe_layers
+from paralm.parallel.runtime import Runtime
+
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # edp: the dp_shard groups holding copies
+
+
+def check_moe_layout(config: Config) -> None:
+    """One-line errors for MoE models and expert parallelism under strategies they do not compose with
+    (the config alone decides these)."""
+    p, m = config.parallel, config.model
+    if p.ep < 1:
+        raise UserError(f"parallel.ep = {p.ep} must be at least 1")
+    if p.ep > 1 and m.moe_experts == 0:
+        raise UserError("parallel.ep > 1 needs experts: set model.moe_experts (or parallel.ep = 1)")
+    if m.moe_experts == 0:
+        return
+    if m.moe_experts % p.ep:
+        raise UserError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}")
+    refused = {
+        "parallel.tp > 1": p.tp > 1,
+        "parallel.pp > 1": p.pp > 1,
+        "train.activation_checkpointing": config.train.activation_checkpointing != "none",
+        "parallel.zero = 1 with parallel.ep > 1": p.zero == 1 and p.ep > 1,
+        f"sync.mode = {config.sync.mode!r} with parallel.ep > 1": config.sync.mode != "allreduce" and p.ep > 1,
+    }
+    for name, on in refused.items():
+        if on:
+            raise UserError(f"{name} is not supported with model.moe_experts > 0: turn it off or use a dense model")
+
+
+def expert_mesh(runtime: Runtime) -> DeviceMesh:
+    """The world as (pp, dp_replicate, edp, ep, tp): each dp_shard group cut into ep neighbours."""
+    d = runtime.dims
+    shape = (d.pp, d.dp_replicate, d.dp_shard // d.ep, d.ep, d.tp)
+    ranks = torch.arange(runtime.world_size).view(shape)
+    return DeviceMesh(runtime.device.type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+@dataclass
+class _Dispatch:
+    """What the combine needs of the dispatch of one call: the splits and the token order."""
+
+    sent: list[int] = field(default_factory=list)
+    received: list[int] = field(default_factory=list)
+    order: torch.Tensor | None = None
+
+
+def _dispatch(
+    state: _Dispatch, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens sorted by (global) expert -> the tokens of this rank's experts, sorted by local expert."""
+    tokens, counts = inputs
+    group, ep = mesh.get_group(), mesh.size()
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
+    by_source = received_counts.view(ep, -1)
+    state.sent = counts.view(ep, -1).sum(1).tolist()
+    state.received = by_source.sum(1).tolist()
+    arrived = compat.all_to_all_autograd(tokens, state.received, state.sent, group)
+    # arrived is ordered (source rank, local expert); the experts want (local expert, source rank)
+    lengths = by_source.t().flatten()
+    starts = (by_source.flatten().cumsum(0) - by_source.flatten()).view(ep, -1).t().flatten()
+    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths)
+    state.order = offsets + torch.arange(offsets.numel(), device=offsets.device)
+    return arrived[state.order], by_source.sum(0)
+
+
+def _combine(state: _Dispatch, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The experts' outputs back to the ranks of their tokens, in the order they were sent."""
+    arrived_order = torch.zeros_like(output).index_copy(0, state.order, output)
+    return compat.all_to_all_autograd(arrived_order, state.sent, state.received, mesh.get_group())
+
+
+def _shard_by_expert(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)))
+
+
+class ExpertParallel:
+    """The experts of `model`'s MoE layers sharded over the ep groups of `runtime`, and their gradient sync."""
+
+    def __init__(self, model: nn.Module, runtime: Runtime) -> None:
+        self.mesh, self.dp = expert_mesh(runtime), runtime.dims.dp
+        self.parameters: list[nn.Parameter] = []
+        for layer in moe_layers(model):
+            state = _Dispatch()
+            distribute_module(
+                layer.experts,
+                self.mesh["ep"],
+                _shard_by_expert,
+                input_fn=partial(_dispatch, state),
+                output_fn=partial(_combine, state),
+            )
+            self.parameters.extend(layer.experts.parameters())
+
+    def hide_from_ddp(self, model: nn.Module) -> None:
+        ids = {id(p) for p in self.parameters}
+        compat.ddp_ignore(model, [name for name, p in model.named_parameters() if id(p) in ids])
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Each expert's gradient summed over the copies of it (the edp and dp_replicate groups), over dp."""
+        groups = [self.mesh[name].get_group() for name in ("dp_replicate", "edp") if self.mesh[name].size() > 1]
+        for param in self.parameters:
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local()
+            for group in groups:
+                dist.all_reduce(grad, group=group)
+            grad.div_(self.dp)

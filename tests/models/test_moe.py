@@ -1,0 +1,155 @@
+"""The MoE feed-forward: routing against a per-token reference, capacity drops counted, closed-form counts,
+the split-independent auxiliary loss, and the loss-free balancer correcting a biased router."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paralm.errors import UserError
+from paralm.models.config import ModelConfig
+from paralm.models.gpt2 import GPT
+from paralm.models.loss import cross_entropy_loss
+from paralm.models.moe import (
+    MoE,
+    balance_figures,
+    check_moe,
+    moe_layers,
+    pop_auxiliary_loss,
+    take_statistics,
+    update_balance,
+)
+from paralm.models.registry import model_shape, model_spec
+
+
+def _layer(gated: bool, **moe: object) -> MoE:
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=16, moe_experts=4, moe_top_k=2, **moe)
+    layer = MoE(config, hidden=24, gated=gated)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def _reference(layer: MoE, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token: the top-k experts by score, weighted by their normalised scores (`keep`: which
+    (token, choice) assignments survive capacity)."""
+    e = layer.experts
+    out = torch.zeros_like(x)
+    for t, token in enumerate(x):
+        scores = layer.gate(token).softmax(-1)
+        top = scores.topk(layer.config.moe_top_k).indices
+        weights = scores[top] / scores[top].sum()
+        for j, (expert, weight) in enumerate(zip(top.tolist(), weights, strict=True)):
+            if keep is not None and not keep[t, j]:
+                continue
+            h = token @ e.w1[expert].t()
+            h = F.silu(h) * (token @ e.w3[expert].t()) if e.gated else F.gelu(h)
+            out[t] += weight * (h @ e.w2[expert].t())
+    return out
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_dropless_routing_matches_per_token_experts(gated: bool) -> None:
+    layer = _layer(gated).train()
+    x = torch.randn(2, 5, 16)
+    got = layer(x)
+    torch.testing.assert_close(got.view(-1, 16), _reference(layer, x.view(-1, 16)), atol=1e-5, rtol=1e-5)
+    statistics = take_statistics(layer)
+    assert statistics[1].item() == 0  # nothing dropped
+    assert statistics[2:].sum().item() == 2 * 5 * 2  # every token reached top_k experts
+
+
+def test_capacity_drops_overflow_in_token_order_and_counts_it() -> None:
+    layer = _layer(False, moe_capacity=0.5).train()
+    x = torch.randn(1, 8, 16)
+    flat = x.view(-1, 16)
+    capacity = math.ceil(0.5 * 8 * 2 / 4)
+    chosen = layer.gate(flat).softmax(-1).topk(2).indices
+    keep, seen = torch.zeros_like(chosen, dtype=torch.bool), [0] * 4
+    for t in range(8):  # each expert takes the first `capacity` assignments in token order
+        for j in range(2):
+            expert = chosen[t, j].item()
+            keep[t, j] = seen[expert] < capacity
+            seen[expert] += 1
+    got = layer(x)
+    torch.testing.assert_close(got.view(-1, 16), _reference(layer, flat, keep), atol=1e-5, rtol=1e-5)
+    dropped = int((~keep).sum())
+    assert dropped > 0
+    assert take_statistics(layer)[1].item() == dropped
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("every,shared", [(1, False), (2, True)])
+def test_closed_form_counts_match_the_built_model(family: str, every: int, shared: bool) -> None:
+    config = ModelConfig(
+        family=family, n_layer=3, n_head=4, d_model=32, moe_experts=4, moe_top_k=2, moe_every=every,
+        moe_shared_expert=shared,
+    )  # fmt: skip
+    model = model_spec(config).build(config)
+    shape = model_shape(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    layers = moe_layers(model)
+    assert len(layers) == (3 if every == 1 else 1)
+    inactive = sum(layer.experts.w1.numel() + layer.experts.w2.numel() for layer in layers) // 2  # 2 of 4 experts
+    if family == "llama":
+        inactive += sum(layer.experts.w3.numel() for layer in layers) // 2
+    assert shape.active_params == shape.params - inactive
+
+
+def test_auxiliary_loss_does_not_depend_on_how_the_batch_is_split() -> None:
+    """Per-sequence balance: the mean over halves of a batch is the whole batch's, so data-parallel ranks
+    and micro-batches train what one process does."""
+    layer = _layer(False, moe_aux_loss=0.1, moe_z_loss=0.01).train()
+    x = torch.randn(4, 6, 16)
+    layer(x)
+    whole = pop_auxiliary_loss(layer)
+    halves = []
+    for part in x.split(2):
+        layer(part)
+        halves.append(pop_auxiliary_loss(layer))
+    torch.testing.assert_close(whole, torch.stack(halves).mean())
+    assert pop_auxiliary_loss(layer) is None  # taken once
+
+
+def test_moe_settings_that_cannot_run_are_one_line_errors() -> None:
+    with pytest.raises(UserError, match="moe_top_k"):
+        check_moe(ModelConfig(moe_experts=4, moe_top_k=5))
+    with pytest.raises(UserError, match="moe_score"):
+        check_moe(ModelConfig(moe_experts=4, moe_score="relu"))
+
+
+BALANCE_STEPS = 50  # the figure the README states
+
+
+def test_loss_free_balancer_evens_out_a_router_biased_to_one_expert() -> None:
+    """Tiny config (2 layers, d_model 64, 4 experts, top-2), random tokens: each router starts sending every
+    token to expert 0 (max/mean load about 2, the most top-2 allows); DeepSeek-V3's bias balancing (update
+    rate 0.04, no auxiliary loss) brings max/mean to at most 1.3 within `BALANCE_STEPS` steps."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=256, moe_experts=4, moe_top_k=2,
+        moe_aux_loss=0.0, moe_bias_balance=True, moe_bias_rate=0.04,
+    )  # fmt: skip
+    model = GPT(config)
+    towards = F.normalize(torch.randn(64), dim=0)
+    with torch.no_grad():  # every normalised input leans along `towards`, which expert 0's router row favours
+        for block in model.blocks.values():
+            block.ln_2.bias += 2 * towards
+            block.mlp.gate.weight[0] += 3 * towards
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, 256, (4096,))
+    imbalance = []
+    for _ in range(BALANCE_STEPS + 1):
+        starts = torch.randint(0, 4096 - 65, (4,)).tolist()
+        x = torch.stack([data[s : s + 64] for s in starts])
+        y = torch.stack([data[s + 1 : s + 65] for s in starts])
+        cross_entropy_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        statistics = take_statistics(model)
+        update_balance(model, statistics, None, torch.tensor(False))
+        imbalance.append(balance_figures(statistics.tolist(), 1, 4)["moe_load_imbalance"])
+    assert imbalance[0] > 1.8
+    assert imbalance[-1] <= 1.3, imbalance

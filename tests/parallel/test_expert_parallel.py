@@ -1,0 +1,138 @@
+"""Expert parallelism with dropless routing trains exactly the model one process trains.
+
+Each layout trains an MoE tiny model (4 experts, top-2) for 5 steps with SGD on the same global batch of 8
+sequences as one process; losses, the routing metrics and the final weights (experts gathered from
+their ranks) are compared. Tolerance: the ranks compute each token's expert outputs in batches of
+other sizes and sum weight gradients in another order (all-to-all, then the data-parallel reduction),
+so the runs differ by fp32 rounding only (~1e-7 relative); 1e-5 leaves room for 5 steps of it. A
+wrong average of the expert gradients (a missing 1/dp, a missed copy) moves weights by ~1e-2 at this
+learning rate, and a token sent to the wrong expert changes the loss at the first step.
+"""
+
+import re
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from paralm.config import Config
+from paralm.errors import UserError
+from paralm.models.moe import local, moe_layers
+from paralm.parallel.dims import ParallelDims
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.rules import validate
+from paralm.train.trainer import Trainer
+from tests.helpers import read_metrics, runtime_for, tiny_config
+from tests.multiprocess import run_ranks
+
+GLOBAL_BATCH = 8
+TOLERANCE = 1e-5
+MOE = {"moe_experts": 4, "moe_top_k": 2}
+SGD = {"optimizer": "sgd", "lr": 0.5}
+
+LAYOUTS = {  # name: (ranks, parallel section, model section besides MOE)
+    "ep2-bias-balance-shared-expert": (2, {"ep": 2}, {"moe_bias_balance": True, "moe_shared_expert": True}),
+    "ep4": (4, {"ep": 4}, {}),
+    "ep2-zero3-4ranks-llama": (4, {"ep": 2, "zero": 3}, {"family": "llama", "n_kv_heads": 1}),
+}
+
+
+def config(root, name: str, ranks: int, parallel: dict, model: dict) -> Config:
+    train = {"micro_batch_size": GLOBAL_BATCH // ranks, **SGD}
+    return tiny_config(root / name, model={**MOE, **model}, parallel=parallel, train=train)
+
+
+def train_and_gather(config: Config) -> tuple[dict[str, torch.Tensor], int]:
+    """Train; return the final weights, unsharded, and how many experts of a layer this rank holds."""
+    runtime = init_runtime(config.parallel, config.sync)
+    trainer = Trainer(config, runtime_for(config, runtime))
+    trainer.fit()
+    model = trainer.engine.model
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    weights = {name: tensor.detach().clone() for name, tensor in full.items()}
+    held = local(moe_layers(model)[0].experts.w1).shape[0]
+    shutdown(runtime)
+    return weights, held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_matches_one_process(name, tmp_path):
+    ranks, parallel, model = LAYOUTS[name]
+    reference = config(tmp_path, "one", 1, {}, model)
+    expected_weights, _ = train_and_gather(reference)
+    run = config(tmp_path, name, ranks, parallel, model)
+    (weights, held), *_ = run_ranks(train_and_gather, ranks, tmp_path, run)
+
+    assert held == MOE["moe_experts"] // parallel["ep"]  # the experts are split, not replicated
+    rows, expected = read_metrics(run.run.dir), read_metrics(reference.run.dir)
+    assert len(rows) == len(expected) == 5
+    for row, ref in zip(rows, expected, strict=True):
+        for key in ("loss", "moe_aux_loss", "moe_load_imbalance"):
+            assert abs(row[key] - ref[key]) < TOLERANCE, (key, row[key], ref[key])
+        assert row["moe_dropped_tokens"] == ref["moe_dropped_tokens"] == 0
+    assert weights.keys() == expected_weights.keys()
+    for key, value in expected_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=TOLERANCE, msg=key)
+    if model.get("moe_bias_balance"):  # the balancing bias moved, identically
+        assert expected_weights["blocks.0.mlp.expert_bias"].abs().max() > 0
+
+
+def train(config: Config) -> None:
+    runtime = init_runtime(config.parallel, config.sync)
+    Trainer(config, runtime_for(config, runtime)).fit()
+    shutdown(runtime)
+
+
+@pytest.mark.slow
+def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
+    """AdamW (optimizer state in the checkpoint) and the loss-free bias (a fast rate, so that a bias lost
+    on resume changes the routing): an ep = 2 run stopped at step 3 and resumed ends as one process does;
+    its step-3 checkpoint, experts saved by expert, also resumes on one process."""
+    model = MOE | {"moe_bias_balance": True, "moe_bias_rate": 0.05}
+
+    def run(name: str, ranks: int, steps: int) -> Config:
+        train_section = {"micro_batch_size": GLOBAL_BATCH // ranks, "steps": steps}
+        parallel = {"ep": ranks} if ranks > 1 else {}
+        checkpoint = {"every": 3, "resume": "auto"}
+        return tiny_config(tmp_path / name, model=model, parallel=parallel, train=train_section, checkpoint=checkpoint)
+
+    reference = run("one", 1, 5)
+    train(reference)
+    run_ranks(train, 2, tmp_path, run("ep2", 2, 3))
+    (tmp_path / "resharded").mkdir()
+    shutil.copytree(tmp_path / "ep2" / "checkpoints", tmp_path / "resharded" / "checkpoints")
+    run_ranks(train, 2, tmp_path, run("ep2", 2, 5))
+    train(run("resharded", 1, 5))
+
+    expected = {row["step"]: row["loss"] for row in read_metrics(reference.run.dir)}
+    for name, steps in (("ep2", range(5)), ("resharded", range(3, 5))):
+        rows = {row["step"]: row["loss"] for row in read_metrics(tmp_path / name) if "loss" in row}
+        assert sorted(rows) == list(steps), name
+        for step in steps:
+            assert abs(rows[step] - expected[step]) < TOLERANCE, (name, step, rows[step], expected[step])
+
+
+@pytest.mark.parametrize(
+    "model, parallel, train, fragment",
+    [
+        ({}, {"ep": 2}, {}, "parallel.ep > 1 needs experts"),
+        (MOE, {"ep": 3}, {}, "model.moe_experts = 4 is not divisible by parallel.ep = 3"),
+        (MOE, {"tp": 2}, {}, "parallel.tp > 1 is not supported"),
+        (MOE, {"pp": 2}, {}, "parallel.pp > 1 is not supported"),
+        (MOE, {"ep": 2, "zero": 1}, {}, "parallel.zero = 1 with parallel.ep > 1"),
+        (MOE, {}, {"activation_checkpointing": "full"}, "train.activation_checkpointing"),
+    ],
+    ids=["dense", "indivisible", "tp", "pp", "zero1", "checkpointing"],
+)
+def test_moe_layouts_that_cannot_run_are_one_line_errors(tmp_path, model, parallel, train, fragment):
+    config = tiny_config(tmp_path, model={**MOE, **model} if model else {}, parallel=parallel, train=train)
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        validate(config)
+
+
+def test_ep_must_divide_the_sharded_data_parallel_degree(tmp_path):
+    config = tiny_config(tmp_path, model=MOE, parallel={"ep": 4})
+    with pytest.raises(UserError, match="parallel.ep = 4 must divide the sharded data-parallel degree 2"):
+        ParallelDims.from_config(config.parallel, config.sync, 2)
