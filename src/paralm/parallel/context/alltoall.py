@@ -18,7 +18,8 @@ from paralm.models.kv_cache import LayerCache, attend
 
 def _exchange(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(cp, ...) pieces: piece j goes to rank j; piece j of the result came from rank j (with autograd)."""
-    return dist_fn.all_to_all_single(torch.empty_like(t), t.contiguous(), group=group)
+    t = t.contiguous()
+    return dist_fn.all_to_all_single(torch.empty_like(t), t, group=group)
 
 
 class AllToAllAttention:
