@@ -68,7 +68,8 @@ def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
     t = config.train
     dp = fixed.get("parallel.dp", -1)
     if dp < 1:
-        dp = max(1, devices // (fixed.get("parallel.tp", 1) * fixed.get("parallel.pp", 1)))
+        model_parallel = fixed.get("parallel.tp", 1) * fixed.get("parallel.pp", 1) * fixed.get("parallel.cp", 1)
+        dp = max(1, devices // model_parallel)
     return t.global_batch_size or t.micro_batch_size * t.grad_accum * dp
 
 
@@ -177,13 +178,13 @@ def _layout_groups(
     span nodes.
     """
     for tp in _choices(fixed, "parallel.tp", [t for t in _divisors(workers) if t <= per_node]):
-        for pp in _choices(fixed, "parallel.pp", _divisors(max(1, workers // tp))):
-            dp = max(1, workers // (tp * pp))
+        for cp, pp, method in _sequence_and_stages(config, fixed, workers // tp):
+            dp = max(1, workers // (tp * cp * pp))
             if fixed.get("parallel.dp", -1) not in (-1, dp):
-                rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x pp {pp}"] += 1
+                rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x cp {cp} x pp {pp}"] += 1
                 continue
             for zero, replicate, shard in _shardings(fixed, dp, config):
-                for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
+                for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1 and cp == 1]):
                     for schedule, v in _schedules(config, fixed, pp):
                         base = Layout(
                             dp_replicate=replicate,
@@ -201,6 +202,8 @@ def _layout_groups(
                             ac_every=config.train.ac_every,
                             pp_split=tuple(fixed.get("parallel.pp_split", ())),
                             ps_servers=ps_servers,
+                            cp=cp,
+                            cp_method=method,
                         )
                         problem = layout_problem(base.apply_to(config), workers + ps_servers, ps_servers)
                         if problem:
@@ -209,6 +212,18 @@ def _layout_groups(
                             rejected[f"the global batch {batch} is not a multiple of dp = {dp} (tp {tp}, pp {pp})"] += 1
                         else:
                             yield from _micro_batch_groups(config, base, fixed, batch // dp, rejected)
+
+
+def _sequence_and_stages(config: Config, fixed: dict[str, Any], ranks: int) -> Iterator[tuple[int, int, str]]:
+    """(cp, pp, cp_method) for `ranks` per tensor-parallel group: without context parallelism every
+    pipeline degree; with it (cp > 1 takes no pipeline, see `paralm.rules`) both attention methods."""
+    for cp in _choices(fixed, "parallel.cp", _divisors(ranks)):
+        if cp == 1:
+            for pp in _choices(fixed, "parallel.pp", _divisors(ranks)):
+                yield 1, pp, config.parallel.cp_method
+        elif ranks % cp == 0 and fixed.get("parallel.pp", 1) == 1:
+            for method in _choices(fixed, "parallel.cp_method", ["ring", "alltoall"]):
+                yield cp, 1, method
 
 
 def _micro_batch_groups(
