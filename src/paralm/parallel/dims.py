@@ -89,10 +89,15 @@ class ParallelDims:
         return self.fsdp_enabled or self.zero1_enabled
 
     @property
+    def shards(self) -> int:
+        """Ranks ZeRO-2/3 shard model states over: dp_shard, with the cp ranks folded in."""
+        return self.dp_shard * self.cp
+
+    @property
     def zero_stage(self) -> int:
         """The ZeRO stage in effect: 0 with a single data-parallel shard (nothing to shard over), unless a
         single rank is forced through the sharding code all the same."""
-        return self.zero if self.dp_shard * self.cp > 1 or self.forced else 0
+        return self.zero if self.shards > 1 or self.forced else 0
 
     @property
     def tp_enabled(self) -> bool:
