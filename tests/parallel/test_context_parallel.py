@@ -44,7 +44,7 @@ def test_zigzag_layout_covers_every_position_once_with_equal_causal_work(cp):
     assert torch.equal(torch.cat(contiguous), torch.arange(length))
 
 
-def _attention_errors(method: str, heads: int, kv_heads: int) -> tuple[float, float]:
+def _attention_errors(method: str, heads: int, kv_heads: int, fused: bool) -> tuple[float, float]:
     """Largest |difference| of this rank's attention output, and of its q/k/v gradients, from one process's."""
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -54,7 +54,7 @@ def _attention_errors(method: str, heads: int, kv_heads: int) -> tuple[float, fl
     weights = torch.randn(2, heads, length, 8)
     full = attend(q, k, v, None, 0.0)
     (full * weights).sum().backward()
-    attention = RingAttention(dist.group.WORLD) if method == "ring" else AllToAllAttention(dist.group.WORLD)
+    attention = RingAttention(dist.group.WORLD, fused) if method == "ring" else AllToAllAttention(dist.group.WORLD)
     positions = SequenceShard(rank, cp, zigzag=method == "ring").positions(length, torch.device("cpu"))
     local = [t.detach()[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
     out = attention(*local, None, 0.0)
@@ -71,11 +71,13 @@ def _attention_errors(method: str, heads: int, kv_heads: int) -> tuple[float, fl
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_across_ranks_equals_full_sequence_attention(tmp_path, cp):
-    """Both methods, multi-head and grouped-query (the all-to-all repeats kv heads cp does not divide)."""
-    for method in ("ring", "alltoall"):
+    """Both methods (the ring's blocks by the CPU's fused kernel and by matrix products), multi-head and
+    grouped-query attention (the all-to-all repeats kv heads cp does not divide)."""
+    for method, fused in (("ring", True), ("ring", False), ("alltoall", False)):
         for kv_heads in (4, 2, 1):
-            for output_error, grad_error in run_ranks(_attention_errors, cp, tmp_path / method, method, 4, kv_heads):
-                assert output_error < 1e-5 and grad_error < 1e-5, (method, kv_heads)
+            args = (method, 4, kv_heads, fused)
+            for output_error, grad_error in run_ranks(_attention_errors, cp, tmp_path / f"{method}{fused}", *args):
+                assert output_error < 1e-5 and grad_error < 1e-5, args
 
 
 def _config(path, model, parallel=None, train_fields=None):

@@ -8,8 +8,10 @@ earlier rank's (all queries, that rank's first chunk), or a later rank's (second
 chunks); so every rank does the same work. The backward runs the ring again: each block travels
 with the gradient of its keys and values, which every rank adds to, back to its owner.
 
-The blocks are computed in fp32 by plain matrix products (no fused kernel hands back the log-sum-exp
-on every device): exact against one process, at the cost of one (chunk x chunk) score matrix per head.
+Each block runs through the CPU's fused attention kernel, which hands back the log-sum-exp the merge
+needs and keeps no (chunk x chunk) score matrix; elsewhere (`fused` off) through fp32 matrix products,
+which do keep one per head (on CUDA, torch's own `context_parallel` is the fused route). Outputs and
+gradients accumulate in fp32 either way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from paralm.compat import cpu_flash_attention, cpu_flash_attention_backward
 from paralm.models.kv_cache import LayerCache
 
 
@@ -57,32 +60,66 @@ def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
     return kv.repeat_interleave(heads // kv.shape[1], dim=1)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    return s
-
-
 def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The gradient of expanded key/value heads summed back onto the shared heads."""
     b, h, s, d = grad.shape
     return grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+def _attend_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output (fp32) and log-sum-exp per query ((batch, heads, seq, 1), fp32)."""
+    if fused:
+        out, lse = cpu_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+        return out.float(), lse.unsqueeze(-1)
+    s = _scores(q, k, causal)
+    lse = s.logsumexp(-1, keepdim=True)
+    return torch.exp(s - lse) @ v.float(), lse
+
+
+def _block_gradients(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the q, k, v gradients: its probabilities are exp(scores - the rows' final
+    log-sum-exp), so each block's share is exact on its own."""
+    if fused:
+        tensors = (t.contiguous() for t in (grad, q, k, v, out, lse.squeeze(-1)))
+        return cpu_flash_attention_backward(*tensors, causal)
+    grad, q, v = grad.float(), q.float(), v.float()
+    p = torch.exp(_scores(q, k, causal) - lse)
+    delta = (grad * out.float()).sum(-1, keepdim=True)  # the softmax backward's row term
+    ds = p * (grad @ v.transpose(-2, -1) - delta) * q.shape[-1] ** -0.5
+    return ds @ k.float(), ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ grad
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, fused: bool) -> torch.Tensor:  # noqa: ANN001
+        heads = q.shape[1]
         with torch.autocast(q.device.type, enabled=False):
-            qf, kv = q.float(), torch.stack([k, v]).float()
-            out = torch.zeros_like(qf)
-            lse = torch.full((*qf.shape[:-1], 1), float("-inf"), device=q.device)
+            kv = torch.stack([k, v])
+            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
             for step in range(ring.cp):
                 pending = ring.start(kv) if step < ring.cp - 1 else None
                 qs, ks, causal = ring.sections(step, q.shape[2])
-                s = _scores(qf[:, :, qs], _expand(kv[0][:, :, ks], q.shape[1]), causal)
-                block_lse = s.logsumexp(-1, keepdim=True)
-                block_out = torch.exp(s - block_lse) @ _expand(kv[1][:, :, ks], q.shape[1])
+                key, value = _expand(kv[0][:, :, ks], heads), _expand(kv[1][:, :, ks], heads)
+                block_out, block_lse = _attend_block(q[:, :, qs], key, value, causal, fused)
                 merged = torch.logaddexp(lse[:, :, qs], block_lse)
                 out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - merged) + block_out * torch.exp(
                     block_lse - merged
@@ -90,44 +127,44 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, :, qs] = merged
                 if pending is not None:
                     kv = ring.finish(pending)
-        ctx.ring = ring
+        out = out.to(q.dtype)
+        ctx.ring, ctx.fused = ring, fused
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
         q, k, v, out, lse = ctx.saved_tensors
-        ring, heads = ctx.ring, q.shape[1]
+        ring, heads, grad_out = ctx.ring, q.shape[1], grad_out.contiguous()
         with torch.autocast(q.device.type, enabled=False):
-            qf, dout = q.float(), grad_out.float()
-            delta = (dout * out).sum(-1, keepdim=True)  # the softmax backward's row term
-            dq = torch.zeros_like(qf)
-            kv = torch.stack([k, v]).float()
-            dkv = torch.zeros_like(kv)  # travels with its block, every rank adding its share
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            kv = torch.stack([k, v])
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
             for step in range(ring.cp):
                 pending = ring.start(kv) if step < ring.cp - 1 else None
                 qs, ks, causal = ring.sections(step, q.shape[2])
                 key, value = _expand(kv[0][:, :, ks], heads), _expand(kv[1][:, :, ks], heads)
-                p = torch.exp(_scores(qf[:, :, qs], key, causal) - lse[:, :, qs])
-                ds = p * (dout[:, :, qs] @ value.transpose(-2, -1) - delta[:, :, qs]) * q.shape[-1] ** -0.5
-                dq[:, :, qs] += ds @ key
-                dkv[0][:, :, ks] += _fold(ds.transpose(-2, -1) @ qf[:, :, qs], k.shape[1])
-                dkv[1][:, :, ks] += _fold(p.transpose(-2, -1) @ dout[:, :, qs], k.shape[1])
+                rows = (grad_out[:, :, qs], q[:, :, qs], key, value, out[:, :, qs], lse[:, :, qs])
+                dq_block, dk_block, dv_block = _block_gradients(*rows, causal, ctx.fused)
+                dq[:, :, qs] += dq_block
+                dkv[0][:, :, ks] += _fold(dk_block.float(), k.shape[1])
+                dkv[1][:, :, ks] += _fold(dv_block.float(), k.shape[1])
                 dkv = ring.finish(ring.start(dkv))  # after cp passes each block's gradient is home
                 if pending is not None:
                     kv = ring.finish(pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 class RingAttention:
     """An `Attend` (`paralm.models.kv_cache`) over the cp ranks of `group`, which hold zig-zag chunks."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.ring = Ring(group)
+    def __init__(self, group: dist.ProcessGroup, fused: bool | None = None) -> None:
+        self.ring, self.fused = Ring(group), fused
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache | None, dropout: float
     ) -> torch.Tensor:
         if cache is not None or dropout:
             raise ValueError("ring attention trains without attention dropout; decoding runs on one process")
-        return _RingAttention.apply(q, k, v, self.ring)
+        fused = q.device.type == "cpu" if self.fused is None else self.fused
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, fused)
