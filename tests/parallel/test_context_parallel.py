@@ -20,10 +20,14 @@ from paralm.degrees import resolve_data_parallel
 from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.models.kv_cache import attend
+from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.context.alltoall import AllToAllAttention
 from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.context.ring import RingAttention
 from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.plan.context import context_parallel_bytes
+from paralm.plan.layout import Layout as PlanLayout
+from paralm.plan.layout import Workload
 from paralm.train.trainer import train
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
@@ -44,8 +48,9 @@ def test_zigzag_layout_covers_every_position_once_with_equal_causal_work(cp):
     assert torch.equal(torch.cat(contiguous), torch.arange(length))
 
 
-def _attention_errors(method: str, heads: int, kv_heads: int, fused: bool) -> tuple[float, float]:
-    """Largest |difference| of this rank's attention output, and of its q/k/v gradients, from one process's."""
+def _attention_errors(method: str, heads: int, kv_heads: int, fused: bool) -> tuple[float, float, float]:
+    """Largest |difference| of this rank's attention output, and of its q/k/v gradients, from one process's;
+    the bytes this rank sent for them (the byte counter's)."""
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -57,27 +62,45 @@ def _attention_errors(method: str, heads: int, kv_heads: int, fused: bool) -> tu
     attention = RingAttention(dist.group.WORLD, fused) if method == "ring" else AllToAllAttention(dist.group.WORLD)
     positions = SequenceShard(rank, cp, zigzag=method == "ring").positions(length, torch.device("cpu"))
     local = [t.detach()[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*local, None, 0.0)
-    (out * weights[:, :, positions]).sum().backward()
+    stats = CommStats()
+    with stats.counting():
+        out = attention(*local, None, 0.0)
+        (out * weights[:, :, positions]).sum().backward()
     output_error = (out - full.detach()[:, :, positions]).abs().max().item()
     grad_error = max(
         (t.grad - whole.grad[:, :, positions]).abs().max().item() for t, whole in zip(local, (q, k, v), strict=True)
     )
+    sent, _ = stats.take_step()
     dist.barrier()
     dist.destroy_process_group()
-    return output_error, grad_error
+    return output_error, grad_error, sent
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_across_ranks_equals_full_sequence_attention(tmp_path, cp):
     """Both methods (the ring's blocks by the CPU's fused kernel and by matrix products), multi-head and
-    grouped-query attention (the all-to-all repeats kv heads cp does not divide)."""
+    grouped-query attention (the all-to-all repeats kv heads cp does not divide); each rank sends the bytes
+    the planner prices (`paralm.plan.context`)."""
     for method, fused in (("ring", True), ("ring", False), ("alltoall", False)):
         for kv_heads in (4, 2, 1):
             args = (method, 4, kv_heads, fused)
-            for output_error, grad_error in run_ranks(_attention_errors, cp, tmp_path / f"{method}{fused}", *args):
+            expected = _planned_bytes(cp, method, kv_heads)
+            for output_error, grad_error, sent in run_ranks(
+                _attention_errors, cp, tmp_path / f"{method}{fused}", *args
+            ):
                 assert output_error < 1e-5 and grad_error < 1e-5, args
+                assert sent == expected, args
+
+
+def _planned_bytes(cp: int, method: str, kv_heads: int) -> float:
+    """The planner's bytes per rank for one block of `_attention_errors`' shapes (2 sequences of 4 x cp
+    positions, 4 heads of 8, fp32)."""
+    config = Config.from_dict(
+        {"model": {"family": "llama", "n_head": 4, "n_kv_heads": kv_heads, "d_model": 32, "block_size": 4 * cp}}
+    )
+    layout = PlanLayout(1, 1, 0, 1, False, 1, "1f1b", 1, 1, 2, 1, "none", cp=cp, cp_method=method)
+    return context_parallel_bytes(layout, Workload.from_config(config, 2, "fp32-master"))
 
 
 def _config(path, model, parallel=None, train_fields=None):
