@@ -212,12 +212,12 @@ def check_context_parallel(config: Config) -> None:
         )
     if ring and m.dropout:
         raise UserError(f"model.dropout = {m.dropout}: parallel.cp_method = ring attends without dropout, set it to 0")
-    others = {
-        "parallel.pp": p.pp > 1,
-        "parallel.sequence_parallel": p.sequence_parallel,
-        "parallel.zero = 1": p.zero == 1,
-    }
-    for name, on in others.items():
+    if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
+        raise UserError(
+            f"model.block_size / parallel.cp = {m.block_size // p.cp} is not divisible by parallel.tp = {p.tp}, "
+            "the pieces sequence parallelism cuts each rank's positions into"
+        )
+    for name, on in {"parallel.pp": p.pp > 1, "parallel.zero = 1": p.zero == 1}.items():
         if on:
             raise UserError(f"parallel.cp = {p.cp} does not compose with {name}: set parallel.cp = 1 or turn it off")
 

@@ -165,12 +165,14 @@ def test_cp2_both_methods_and_checkpointing_equal_one_process_and_resume_on_one(
 def test_cp_composes_with_zero3_and_tensor_parallel(tmp_path):
     """4 ranks: cp 2 x dp_shard 2 under ZeRO-3 (FSDP over dp_shard x cp; the one process accumulates two
     micro-batches of the same global batch), and cp 2 x tp 2 with grouped-query heads (1 kv head per tp
-    rank, repeated for the all-to-all)."""
+    rank, repeated for the all-to-all), also with sequence parallelism (each tp rank holds half of its cp
+    rank's positions between attentions)."""
     zero3 = [("zero3", {"cp": 2, "zero": 3, "cp_method": "ring"}, {"micro_batch_size": 2, "global_batch_size": 4})]
     _assert_equal_to_one_process(tmp_path / "zero3", 4, LLAMA, zero3)
     tensor_parallel = [
         ("tp_a2a", {"cp": 2, "tp": 2, "cp_method": "alltoall"}, {}),
         ("tp_ring", {"cp": 2, "tp": 2, "cp_method": "ring"}, {}),
+        ("tp_sp_ring", {"cp": 2, "tp": 2, "sequence_parallel": True, "cp_method": "ring"}, {}),
     ]
     _assert_equal_to_one_process(tmp_path / "tp", 4, LLAMA, tensor_parallel)  # one mesh per process group
 

@@ -184,7 +184,7 @@ def _layout_groups(
                 rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x cp {cp} x pp {pp}"] += 1
                 continue
             for zero, replicate, shard in _shardings(fixed, dp, config):
-                for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1 and cp == 1]):
+                for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
                     for schedule, v in _schedules(config, fixed, pp):
                         base = Layout(
                             dp_replicate=replicate,
