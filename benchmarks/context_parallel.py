@@ -2,6 +2,7 @@
 tokens/s, for cp = 1, 2, 4 and each method.
 
     python benchmarks/context_parallel.py [--budget-mib 256] [--start 1024] [--longest 65536] [--speed-at 4096]
+        [--layouts cp1 cp2-ring cp2-alltoall cp4-ring cp4-alltoall]
 
 Each run is a fresh `paralm train --nproc cp` of a small Llama (2 layers, d_model 64, 4 heads, 2 key/value
 heads, byte vocabulary, one sequence per step, fp32, 3 steps). A run's memory is its largest rank's peak
@@ -34,8 +35,8 @@ MODEL = [
     "--checkpoint.resume=none",
     "--log.progress=false",
 ]
-LAYOUTS = {"cp1": (1, None), "cp2 ring": (2, "ring"), "cp2 alltoall": (2, "alltoall")}
-LAYOUTS |= {"cp4 ring": (4, "ring"), "cp4 alltoall": (4, "alltoall")}
+LAYOUTS = {"cp1": (1, None), "cp2-ring": (2, "ring"), "cp2-alltoall": (2, "alltoall")}
+LAYOUTS |= {"cp4-ring": (4, "ring"), "cp4-alltoall": (4, "alltoall")}
 
 
 def run(cp: int, method: str | None, block_size: int) -> dict[str, float]:
