@@ -50,6 +50,6 @@ def test_a_128k_context_is_planned_with_context_parallelism():
     config, fixed = load_request(None, [*LLAMA_8B, "--model.block_size=131072"])
     _, plans = search(config, parse_cluster("h100x64"), fixed)
     best = plans[0]
-    assert best.layout.cp > 1 and best.row()["cp"] == best.layout.cp
+    assert best.layout.cp > 1 and best.row()["cp"] == best.layout.cp and best.row()["cp_bytes_per_block"] > 0
     no_cp = [p for p in plans if p.layout.cp == 1]
     assert not no_cp or no_cp[0].tokens_per_s < best.tokens_per_s

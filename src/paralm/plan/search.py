@@ -26,6 +26,7 @@ from typing import Any
 from paralm.config import Config
 from paralm.errors import UserError
 from paralm.plan.cluster import Cluster, GiB
+from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
@@ -42,6 +43,7 @@ class Plan:
     time: StepTime
     tokens_per_s: float
     mfu: float
+    cp_bytes: float = 0.0  # bytes a rank sends per block for context parallelism (ring or all-to-all)
 
     def row(self) -> dict[str, Any]:
         """The JSON object of one plan: the layout, memory per term, step time per term, throughput."""
@@ -49,7 +51,7 @@ class Plan:
         row: dict[str, Any] = {"devices": lay.devices, **vars(lay), "pp_split": list(lay.pp_split), **vars(mem)}
         row["mem_bytes_per_device"] = mem.total
         row.update(vars(t))
-        row.update(step_time_s=t.total, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
+        row.update(step_time_s=t.total, tokens_per_s=self.tokens_per_s, mfu=self.mfu, cp_bytes_per_block=self.cp_bytes)
         return row
 
 
@@ -59,7 +61,8 @@ def evaluate(
     time = step_time(layout, work, cluster, overlap=overlap)
     tokens_per_s = work.tokens_per_step / time.total
     mfu = work.shape.flops_per_token * tokens_per_s / (layout.devices * cluster.peak(work.dtype))
-    return Plan(layout, memory or device_memory(layout, work, cluster), time, tokens_per_s, mfu)
+    memory = memory or device_memory(layout, work, cluster)
+    return Plan(layout, memory, time, tokens_per_s, mfu, context_parallel_bytes(layout, work))
 
 
 def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
