@@ -2,8 +2,9 @@
 
 The mesh has the dims (pp, dp_replicate, dp_shard, cp, tp), outermost first: tensor parallelism, the
 chattiest, gets neighbouring ranks (same node), then context parallelism (a ring or an all-to-all per
-attention), pipeline stages the farthest apart. A dim of size 1
-costs nothing and keeps every strategy's code the same shape.
+attention), pipeline stages the farthest apart. A dim of size 1 costs nothing and keeps every
+strategy's code the same shape. The cp ranks of a data-parallel rank read the same sequences (each
+keeps its share of the positions), so gradients average over dp x cp and ZeRO shards over dp_shard x cp.
 
 As torchtitan's `ParallelDims`, the dims answer every "is X on / what divides what" question (which
 data-parallel strategy runs, the ZeRO stage in effect, how many ranks hold each loss, what the
