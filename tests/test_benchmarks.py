@@ -26,6 +26,10 @@ ARGS = {
         "1",
     ],
     "comm_counter.py": ["--steps", "1"],
+    "context_parallel.py": [
+        *("--budget-mib", "64", "--start", "512", "--longest", "512", "--speed-at", "512"),
+        *("--layouts", "cp1", "cp2-ring"),
+    ],
     "gpu_check.py": [],  # its CPU run is already the short one: 3 steps per row, tiny shapes (~2 min on 2 cores)
     "generate_cache.py": [
         "--new-tokens",

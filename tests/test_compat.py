@@ -55,3 +55,17 @@ def test_a_fused_optimizer_skips_a_flagged_step_on_the_device():
     param.grad = torch.ones(3)
     compat.step_unless_flagged(fused, torch.zeros(()))
     assert not torch.equal(param, weights) and fused.state[param]["step"].item() == 2
+
+
+def test_cpu_flash_attention_returns_sdpa_and_its_log_sum_exp_and_gradients():
+    q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+    out, lse = compat.cpu_flash_attention(q, k, v, causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    scores = (q @ k.transpose(-2, -1)) / 2 + torch.full((6, 6), float("-inf")).triu(1)
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+    grad = torch.randn_like(out)
+    expected.backward(grad)
+    grads = compat.cpu_flash_attention_backward(grad, q, k, v, out, lse, causal=True)
+    for got, tensor in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(got, tensor.grad)

@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 __all__ = [
     "TorchDispatchMode",
     "checkpoint_wrapper",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
     "current_dispatch_mode",
     "flatten_mesh",
     "replicate",
@@ -46,6 +48,28 @@ def current_dispatch_mode() -> TorchDispatchMode | None:
     """The innermost active dispatch mode, None without one: how a test tells that no instrument (the
     byte counter is a mode) runs when none was asked for; `_get_current_dispatch_mode` is the only way."""
     return _get_current_dispatch_mode()
+
+
+def cpu_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's output and its log-sum-exp per query (fp32, (batch, heads, seq)) from the CPU's fused
+    kernel: ring attention merges blocks by the log-sum-exp, which `scaled_dot_product_attention` keeps to
+    itself (torch's own ring attention calls these ops too, on CUDA)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def cpu_flash_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k and v for one block, given the final output and log-sum-exp of the rows."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal)
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

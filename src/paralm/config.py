@@ -95,6 +95,10 @@ class ParallelConfig:
     tp: int = option(1, "tensor-parallel degree")
     sequence_parallel: bool = option(False, "shard norms, dropout and residuals along the sequence (tp > 1)")
     ep: int = option(1, "expert-parallel degree: MoE experts split over groups of ep data-parallel ranks")
+    cp: int = option(1, "context-parallel degree: each sequence's positions split across cp ranks")
+    cp_method: str = option(
+        "ring", "context-parallel attention: k/v around a ring, or heads by all-to-all", ("alltoall", "ring")
+    )
     pp: int = option(1, "pipeline-parallel degree (stages)")
     pp_schedule: str = option("1f1b", "pipeline schedule", tuple(PIPELINE_SCHEDULES))
     pp_microbatches: int = option(0, "micro-batches per pipeline step; 0: pp")

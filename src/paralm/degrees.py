@@ -27,17 +27,17 @@ def resolve_data_parallel(parallel: ParallelConfig, world_size: int, servers: in
             "start more processes or use fewer servers"
         )
     world_size -= servers
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "cp"):
         if getattr(parallel, name) < 1:
             raise UserError(f"parallel.{name} = {getattr(parallel, name)} must be at least 1")
     for name in ("dp_replicate", "dp_shard"):
         value = getattr(parallel, name)
         if value == 0 or value < -1:
             raise UserError(f"parallel.{name} = {value} must be a positive degree or -1 (the remainder)")
-    model_parallel = parallel.tp * parallel.pp
+    model_parallel = parallel.tp * parallel.pp * parallel.cp
     if world_size % model_parallel:
         raise UserError(
-            f"parallel.tp x parallel.pp = {model_parallel} does not divide the {world_size} ranks: "
+            f"parallel.tp x parallel.pp x parallel.cp = {model_parallel} does not divide the {world_size} ranks: "
             "change the degrees or the number of processes"
         )
     dp = world_size // model_parallel if parallel.dp == -1 else parallel.dp
@@ -53,10 +53,10 @@ def resolve_data_parallel(parallel: ParallelConfig, world_size: int, servers: in
             f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {shard} must equal "
             f"the data-parallel degree {dp}"
         )
-    ranks = parallel.pp * dp * parallel.tp
+    ranks = parallel.pp * dp * parallel.cp * parallel.tp
     if ranks != world_size:
         raise UserError(
-            f"parallel degrees pp x dp x tp = {parallel.pp} x {dp} x {parallel.tp} = {ranks} "
+            f"parallel degrees pp x dp x cp x tp = {parallel.pp} x {dp} x {parallel.cp} x {parallel.tp} = {ranks} "
             f"do not match the {world_size} ranks: set parallel.dp = -1 or start {ranks} processes"
         )
     check_sharded_layout(parallel, dp)

@@ -109,9 +109,11 @@ def validate_sync(config: Config) -> None:
             f"not {s.mode}"
         )
     p = config.parallel
-    if (c.compression != "none" or s.mode != "allreduce") and (p.zero, p.tp, p.pp) != (0, 1, 1):
+    if (c.compression != "none" or s.mode != "allreduce") and (p.zero, p.tp, p.pp, p.cp) != (0, 1, 1, 1):
         what = f"sync.mode = {s.mode}" if s.mode != "allreduce" else f"comm.compression = {c.compression}"
-        raise UserError(f"{what} replicates whole models: set parallel.zero = 0, parallel.tp = 1, parallel.pp = 1")
+        raise UserError(
+            f"{what} replicates whole models: set parallel.zero = 0, parallel.tp = 1, parallel.pp = 1, parallel.cp = 1"
+        )
     if s.mode == "parameter_server" and config.precision.dtype == "fp16":
         raise UserError(
             "precision.dtype = fp16 needs a loss scale the parameter server does not keep: "
@@ -162,6 +164,7 @@ def check_model_parallel_layout(config: Config) -> None:
     if p.pp_microbatches < 0:
         raise UserError(f"parallel.pp_microbatches = {p.pp_microbatches} must be positive (or 0: parallel.pp)")
     _check_tensor_parallel(config)
+    check_context_parallel(config)
     if p.zero == 1 and p.tp * p.pp > 1:
         raise UserError(
             "parallel.zero = 1 (optimizer shards of plain parameters) cannot hold tensor- or pipeline-parallel "
@@ -216,6 +219,36 @@ def _check_tensor_parallel(config: Config) -> None:
             f"model.block_size = {m.block_size} is not divisible by parallel.tp = {p.tp}, "
             "the number of pieces sequence parallelism cuts the sequence into"
         )
+
+
+def check_context_parallel(config: Config) -> None:
+    """Context parallelism: the sequence cut into equal chunks, whole heads per rank for the all-to-all,
+    and the strategies it composes with."""
+    p, m = config.parallel, config.model
+    if p.cp < 1:
+        raise UserError(f"parallel.cp = {p.cp} must be at least 1")
+    if p.cp == 1:
+        return
+    ring = p.cp_method == "ring"
+    chunks = 2 * p.cp if ring else p.cp
+    if m.block_size % chunks:
+        what = "2 x parallel.cp (ring attention's zig-zag chunks)" if ring else "parallel.cp"
+        raise UserError(f"model.block_size = {m.block_size} is not divisible by {what} = {chunks}: change either")
+    if not ring and m.n_head % (p.cp * p.tp):
+        raise UserError(
+            f"model.n_head = {m.n_head} is not divisible by parallel.cp x parallel.tp = {p.cp * p.tp}: "
+            "parallel.cp_method = alltoall gives each rank whole heads (change the degrees or use ring)"
+        )
+    if ring and m.dropout:
+        raise UserError(f"model.dropout = {m.dropout}: parallel.cp_method = ring attends without dropout, set it to 0")
+    if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
+        raise UserError(
+            f"model.block_size / parallel.cp = {m.block_size // p.cp} is not divisible by parallel.tp = {p.tp}, "
+            "the pieces sequence parallelism cuts each rank's positions into"
+        )
+    for name, on in {"parallel.pp": p.pp > 1, "parallel.zero = 1": p.zero == 1}.items():
+        if on:
+            raise UserError(f"parallel.cp = {p.cp} does not compose with {name}: set parallel.cp = 1 or turn it off")
 
 
 def check_microbatches(config: Config) -> None:

@@ -31,7 +31,7 @@ JSON_FIELDS = {
 
 
 def test_plan_json_carries_the_layout_memory_and_time(capsys) -> None:
-    args = ["plan", *MODEL_7B, "--cluster", "h200:64", "--parallel.tp=1", "--parallel.pp=1"]
+    args = ["plan", *MODEL_7B, "--cluster", "h200:64", "--parallel.tp=1", "--parallel.pp=1", "--parallel.cp=1"]
     assert main([*args, "--train.global_batch_size=256", "--top", "3", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and set(rows[0]) >= JSON_FIELDS

@@ -34,7 +34,7 @@ def test_fixed_fields_are_kept_and_the_rest_searched() -> None:
 
 
 def test_a_fixed_zero_stage_shards_over_the_whole_group_and_an_open_one_tries_hybrids() -> None:
-    _, fixed = _search([*MODEL_7B, "--parallel.zero=3", "--parallel.pp=1", "--parallel.tp=1"])
+    _, fixed = _search([*MODEL_7B, "--parallel.zero=3", "--parallel.pp=1", "--parallel.tp=1", "--parallel.cp=1"])
     assert {(p.layout.dp_replicate, p.layout.dp_shard) for p in fixed} == {(1, 64)}
     _, open_ = _search([*MODEL_7B, "--parallel.pp=1", "--parallel.tp=1"])
     assert any(p.layout.dp_replicate > 1 and p.layout.zero == 3 for p in open_)
@@ -46,7 +46,7 @@ def test_a_fixed_zero_stage_shards_over_the_whole_group_and_an_open_one_tries_hy
 )
 def test_hybrid_degrees_resolve_as_paralm_does(given: str, expected: set) -> None:
     """-1 takes the remainder and an unset degree keeps its default (dp_replicate 1), as in `ParallelDims`."""
-    overrides = [*MODEL_7B, "--parallel.tp=1", "--parallel.pp=1", given]
+    overrides = [*MODEL_7B, "--parallel.tp=1", "--parallel.pp=1", "--parallel.cp=1", given]
     if expected:
         assert {(p.layout.dp_replicate, p.layout.dp_shard) for p in _search(overrides)[1]} == expected
     else:  # dp_shard = 8 with dp_replicate = 1 is 8 ranks, not 64
@@ -128,7 +128,7 @@ def test_what_the_rules_refuse_is_never_proposed(overrides: list[str], refused) 
     [
         (["--parallel.tp=3"], "n_head"),
         (["--parallel.pp=37"], "n_layer"),
-        (["--train.global_batch_size=3", "--parallel.tp=1", "--parallel.pp=1"], "no layout"),
+        (["--train.global_batch_size=3", "--parallel.tp=1", "--parallel.pp=1", "--parallel.cp=1"], "no layout"),
     ],
 )
 def test_impossible_requests_are_user_errors(overrides: list[str], message: str) -> None:

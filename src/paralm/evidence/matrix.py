@@ -63,7 +63,9 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        model_parallel = int(self.settings.get("parallel.tp", 1)) * int(self.settings.get("parallel.pp", 1))
+        model_parallel = 1
+        for degree in ("parallel.tp", "parallel.pp", "parallel.cp"):
+            model_parallel *= int(self.settings.get(degree, 1))
         return (self.ranks - self.servers) // model_parallel
 
     def args(self, model: ModelConfig) -> list[str]:
@@ -108,11 +110,15 @@ def exact_layouts(n: int) -> list[Layout]:
                 "parallel.pp_microbatches": 4,
             }
             layouts.append(Layout(f"pp2-{schedule}", n, pipeline))
+        for method in ("ring", "alltoall"):
+            layouts.append(Layout(f"cp2-{method}", n, {"parallel.cp": 2, "parallel.cp_method": method}, tags=("cp",)))
     if n >= 4 and n % 4 == 0:
         layouts.append(Layout(f"2d-tp2-dp{n // 2}", n, {"parallel.tp": 2}, tags=("tp", "dp")))
         layouts.append(Layout(f"2d-zero3-tp2-dp{n // 2}", n, {"parallel.tp": 2, "parallel.zero": 3}, tags=("tp",)))
         layouts.append(Layout(f"2d-pp2-dp{n // 2}", n, {"parallel.pp": 2, "parallel.pp_microbatches": 4}))
         layouts.append(Layout("2d-pp2-tp2", 4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4}))
+        layouts.append(Layout(f"2d-cp2-zero3-dp{n // 2}", n, {"parallel.cp": 2, "parallel.zero": 3}, tags=("cp",)))
+        layouts.append(Layout("2d-cp2-tp2", 4, {"parallel.cp": 2, "parallel.tp": 2}, tags=("cp", "tp")))
     if n >= 8 and n % 8 == 0:
         three_d = {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4}
         layouts.append(Layout(f"3d-pp2-tp2-dp{n // 4}", n, three_d, tags=("pp", "tp", "dp")))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralm.models.config import ModelConfig
-from paralm.models.kv_cache import KVCache, LayerCache, attend
+from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.seeding import seed_parameter
 
@@ -36,12 +36,13 @@ class CausalSelfAttention(nn.Module):
         self.wv = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+        self.attend: Attend = attend  # context parallelism swaps in an attention across ranks
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, cache, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 

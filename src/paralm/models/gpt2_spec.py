@@ -195,6 +195,7 @@ SPEC = ModelSpec(
     tensor_parallel_plan=tensor_parallel_plan,
     sharded_regions=sharded_regions,
     blocks="blocks",
+    attention="attn",
     pipeline=PipelineParts(first=("wte", "wpe"), last=("ln_f", "lm_head")),
     tied=TIED,
     hf=HFMapping(

@@ -6,6 +6,8 @@ and values and attends over all kept so far, instead of recomputing the whole co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,10 @@ class KVCache:
     @property
     def length(self) -> int:
         return next(iter(self.layers.values())).length if self.layers else 0
+
+
+# causal attention (q, k, v, cache, dropout) -> output: `attend`, or a context-parallel one across ranks
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LayerCache | None, float], torch.Tensor]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache | None, dropout: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralm.models.config import ModelConfig
-from paralm.models.kv_cache import KVCache, LayerCache, attend
+from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.seeding import seed_parameter
 
@@ -67,6 +67,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
         self.rope_theta = config.rope_theta
         self.dropout = config.dropout
+        self.attend: Attend = attend  # context parallelism swaps in an attention across ranks
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -79,7 +80,7 @@ class Attention(nn.Module):
             positions = torch.arange(start, start + seq, device=q.device)
         cos, sin = rotary_tables(positions, self.head_dim, self.rope_theta)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, cache, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 

@@ -223,6 +223,7 @@ SPEC = ModelSpec(
     tensor_parallel_plan=tensor_parallel_plan,
     sharded_regions=sharded_regions,
     blocks="layers",
+    attention="attention",
     pipeline=PipelineParts(first=("tok_embeddings",), last=("norm", "output")),
     tied=TIED,
     hf=HFMapping(

@@ -74,6 +74,9 @@ class ModelSpec:
     # the `ModuleDict` of the repeated blocks, keyed by layer index: what activation checkpointing,
     # compilation and FSDP wrap one by one, and what a pipeline cuts between stages
     blocks: str
+    # each block's attention submodule: its `attend` attribute (q, k, v, cache, dropout -> output, see
+    # `paralm.models.kv_cache.attend`) is what context parallelism swaps for an attention across ranks
+    attention: str
     pipeline: PipelineParts
     # parameter name -> the parameter it shares when the model ties them (the head's weight -> the
     # embedding's); `tied_parameters` says which pairs a built model does tie

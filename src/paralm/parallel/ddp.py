@@ -15,7 +15,7 @@ from paralm.parallel.runtime import Runtime
 def apply_ddp(model: nn.Module, runtime: Runtime, bucket_mb: float) -> DistributedDataParallel:
     return DistributedDataParallel(
         model,
-        process_group=runtime.dp_group,
+        process_group=runtime.grad_group,
         device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
         bucket_cap_mb=bucket_mb,
         gradient_as_bucket_view=True,  # saves one gradient-sized copy

@@ -1,8 +1,10 @@
 """Parallel degrees, their validation against the world size, and what they imply.
 
-The mesh has the dims (pp, dp_replicate, dp_shard, tp), outermost first: tensor parallelism, the
-chattiest, gets neighbouring ranks (same node), pipeline stages the farthest apart. A dim of size 1
-costs nothing and keeps every strategy's code the same shape.
+The mesh has the dims (pp, dp_replicate, dp_shard, cp, tp), outermost first: tensor parallelism, the
+chattiest, gets neighbouring ranks (same node), then context parallelism (a ring or an all-to-all per
+attention), pipeline stages the farthest apart. A dim of size 1 costs nothing and keeps every
+strategy's code the same shape. The cp ranks of a data-parallel rank read the same sequences (each
+keeps its share of the positions), so gradients average over dp x cp and ZeRO shards over dp_shard x cp.
 
 As torchtitan's `ParallelDims`, the dims answer every "is X on / what divides what" question (which
 data-parallel strategy runs, the ZeRO stage in effect, how many ranks hold each loss, what the
@@ -19,7 +21,7 @@ from paralm.config import ParallelConfig, SyncConfig
 from paralm.degrees import resolve_data_parallel
 from paralm.errors import UserError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ParallelDims:
     forced: bool = False  # `parallel.force_distributed` on a 1-rank job: it takes the distributed paths
     sequence_parallel: bool = False  # `parallel.sequence_parallel`
     ep: int = 1  # `parallel.ep`: inside dp_shard, not a mesh dim of its own (`paralm.parallel.expert`)
+    cp: int = 1  # `parallel.cp`: each sequence's positions split across cp ranks, which read the same sequences
 
     @property
     def dp(self) -> int:
@@ -40,12 +43,22 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def grad_replicas(self) -> int:
+        """Ranks whose gradients are averaged: every data-parallel rank's cp ranks (each holds the mean loss of
+        its share of the positions, as torchtitan folds cp into the data-parallel mesh)."""
+        return self.dp * self.cp
 
     @property
     def dp_enabled(self) -> bool:
         """Replicas sync (DDP, FSDP, ZeRO-1 or averaging): with several, or one forced to (NCCL checks on one GPU)."""
-        return self.dp > 1 or self.forced
+        return self.grad_replicas > 1 or self.forced
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -79,10 +92,15 @@ class ParallelDims:
         return self.fsdp_enabled or self.zero1_enabled
 
     @property
+    def shards(self) -> int:
+        """Ranks ZeRO-2/3 shard model states over: dp_shard, with the cp ranks folded in."""
+        return self.dp_shard * self.cp
+
+    @property
     def zero_stage(self) -> int:
         """The ZeRO stage in effect: 0 with a single data-parallel shard (nothing to shard over), unless a
         single rank is forced through the sharding code all the same."""
-        return self.zero if self.dp_shard > 1 or self.forced else 0
+        return self.zero if self.shards > 1 or self.forced else 0
 
     @property
     def tp_enabled(self) -> bool:
@@ -98,9 +116,10 @@ class ParallelDims:
 
     @property
     def loss_replicas(self) -> int:
-        """Ranks holding each loss: the tp ranks (of the last stage) of every data-parallel rank. The losses
-        summed over the ranks that step together, divided by this, are the global batch's mean."""
-        return self.dp * self.tp
+        """Ranks holding each loss: the tp ranks (of the last stage) of every data-parallel and cp rank (a cp
+        rank's loss is the mean over its equal share of the positions). The losses summed over the ranks
+        that step together, divided by this, are the global batch's mean."""
+        return self.grad_replicas * self.tp
 
     @property
     def seq_divisor(self) -> int:
@@ -126,10 +145,11 @@ class ParallelDims:
             forced=parallel.force_distributed and world_size == 1,
             sequence_parallel=parallel.sequence_parallel,
             ep=parallel.ep,
+            cp=parallel.cp,
         )
 
     @classmethod
     def of_replica(cls, parallel: ParallelConfig) -> ParallelDims:
         """One data-parallel replica's dims, which the config fixes before the world size is known: for the
         rules checked when a config is loaded."""
-        return cls(parallel.pp, 1, 1, parallel.tp, sequence_parallel=parallel.sequence_parallel)
+        return cls(parallel.pp, 1, 1, parallel.tp, sequence_parallel=parallel.sequence_parallel, cp=parallel.cp)

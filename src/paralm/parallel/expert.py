@@ -51,6 +51,8 @@ def check_moe_layout(config: Config) -> None:
         "parallel.tp > 1": p.tp > 1,
         "parallel.pp > 1": p.pp > 1,
         "train.activation_checkpointing": config.train.activation_checkpointing != "none",
+        "parallel.cp > 1": p.cp > 1,
+        "sync.fault_tolerant": config.sync.fault_tolerant,
         "parallel.zero = 1 with parallel.ep > 1": p.zero == 1 and p.ep > 1,
         f"sync.mode = {config.sync.mode!r} with parallel.ep > 1": config.sync.mode != "allreduce" and p.ep > 1,
     }

@@ -25,16 +25,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from paralm.compat import flatten_mesh
 from paralm.config import ParallelConfig, PrecisionConfig
 from paralm.dtypes import torch_dtype
 from paralm.parallel.runtime import Runtime
 
 
 def fsdp_mesh(runtime: Runtime) -> DeviceMesh:
-    """1-D (dp_shard) mesh, or 2-D (dp_replicate, dp_shard) for hybrid sharding."""
+    """1-D (dp_shard) mesh, or 2-D (dp_replicate, dp_shard) for hybrid sharding; with context parallelism
+    the cp ranks shard too (dp_shard x cp flattened, as torchtitan): their gradients average with the rest."""
+    shard = "dp_shard"
+    if runtime.dims.cp_enabled:
+        shard = "dp_shard_cp"
+        flatten_mesh(runtime.mesh["dp_shard", "cp"], shard)
     if runtime.dims.dp_replicate_enabled:
-        return runtime.mesh["dp_replicate", "dp_shard"]
-    return runtime.mesh["dp_shard"]
+        return runtime.mesh["dp_replicate", shard]
+    return runtime.mesh[shard]
 
 
 def apply_fsdp(

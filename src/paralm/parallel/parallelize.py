@@ -1,6 +1,6 @@
 """The one place the configured parallel strategies are composed; the loop asks the plan for the rest.
 
-Order (as torchtitan): pipeline split, then tensor/sequence parallel, then activation
+Order (as torchtitan): pipeline split, then tensor/sequence parallel, then context parallel, then activation
 checkpointing, then `torch.compile` per block, then data parallelism (FSDP or DDP) on what each
 rank holds. Each strategy lives in its own module; this module only composes them, and picks how a
 step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
@@ -24,6 +24,7 @@ from paralm.models.spec import tied_parameters
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
 from paralm.parallel.compression import register_compression
+from paralm.parallel.context.apply import apply_context_parallel, sequence_shard
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.expert import ExpertParallel
 from paralm.parallel.fsdp import apply_fsdp
@@ -108,7 +109,8 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, stage)
     else:
         module = parallelize_stage(model, runtime, config, experts)
-        runner = PlainStep(module, runtime.device, dtype, dims.tp)
+        shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
+        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard)
     return ParallelPlan(
         model=model,
         module=module,
@@ -117,7 +119,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         runtime=runtime,
         straggler=config.sync,
         tied=tuple(tied),
-        scaler_group=runtime.dp_group if dims.shards_gradients else None,
+        scaler_group=runtime.grad_group if dims.shards_gradients else None,
         experts=experts,
     )
 
@@ -147,6 +149,8 @@ def parallelize_stage(
     dims, spec = runtime.dims, model_spec(config.model)
     if dims.tp_enabled:
         apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel, config.model.dropout > 0)
+    if dims.cp_enabled:
+        apply_context_parallel(model, spec, runtime.mesh["cp"], config.parallel.cp_method)
     blocks = model.get_submodule(spec.blocks)
     apply_activation_checkpointing(blocks, config.train)
     if config.train.compile:

@@ -18,5 +18,5 @@ from paralm.parallel.runtime import Runtime
 
 
 def apply_replicate(model: nn.Module, runtime: Runtime) -> nn.Module:
-    """Replicate `model` over the data-parallel ranks in place; its class becomes a `ReplicateModule`."""
-    return replicate(model, mesh=runtime.dp_mesh)
+    """Replicate `model` over the data-parallel (and cp) ranks in place; its class becomes a `ReplicateModule`."""
+    return replicate(model, mesh=runtime.grad_mesh)

@@ -39,6 +39,8 @@ class Runtime:
     # the ranks that step together (`group`'s ranks); None for a single process
     host_group: dist.ProcessGroup | None = None
     host_step_group: dist.ProcessGroup | None = None
+    # dp_replicate x dp_shard x cp flattened: the ranks whose gradients average (`dp_mesh` without cp)
+    grad_mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +67,10 @@ class Runtime:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        return self.grad_mesh.get_group() if self.grad_mesh is not None else None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over the ranks that step together; a no-op for a single process."""
@@ -127,7 +133,7 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
     dims = ParallelDims.from_config(parallel, sync, world_size)
     servers = sync.servers
     device = select_device(local_rank)
-    mesh = dp_mesh = group = host = host_step = None
+    mesh = dp_mesh = grad_mesh = group = host = host_step = None
     if dims.forced and "MASTER_ADDR" not in os.environ:
         raise UserError("parallel.force_distributed = true needs a launcher: run under torchrun --nproc-per-node 1")
     if world_size > 1 or dims.forced:
@@ -138,17 +144,18 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
             world_size=world_size,
             timeout=timeout,
         )
-        shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+        shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         if servers:
             mesh = DeviceMesh(device.type, torch.arange(servers, world_size).view(shape), mesh_dim_names=MESH_DIMS)
         else:
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        grad_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp") if dims.cp_enabled else dp_mesh
         if servers:  # every rank takes part in creating every group
             server_group = dist.new_group(list(range(servers)))
             group = server_group if rank < servers else dp_mesh.get_group()
             if rank < servers:
-                mesh = dp_mesh = None
+                mesh = dp_mesh = grad_mesh = None
         host, host_step = _host_groups(rank, world_size, servers)
     return Runtime(
         rank,
@@ -162,6 +169,7 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
         group,
         host_group=host,
         host_step_group=host_step,
+        grad_mesh=grad_mesh,
     )
 
 

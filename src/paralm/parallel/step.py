@@ -12,6 +12,7 @@ from torch import nn
 
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import pop_auxiliary_loss
+from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.tensor import local_value, loss_context
 from paralm.train.precision import autocast
@@ -34,6 +35,14 @@ class PlainStep:
     device: torch.device
     dtype: str  # the compute dtype (`precision.dtype`)
     tp: int = 1  # tensor-parallel degree: the loss is then computed on vocabulary-sharded logits
+    shard: SequenceShard | None = None  # context parallelism: this rank's positions of every sequence
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of the batch, or of this rank's positions of it (with their global positions)."""
+        if self.shard is None:
+            return cross_entropy_loss(self.module(x), y)
+        x, y, positions = self.shard(x, y)
+        return cross_entropy_loss(self.module(x, positions=positions), y)
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; returns this rank's mean loss over them."""
@@ -41,7 +50,7 @@ class PlainStep:
         for i, (x, y) in enumerate(batches):
             with gradient_sync(self.module, sync=i == len(batches) - 1), loss_context(self.tp):
                 with autocast(self.device, self.dtype):
-                    loss = cross_entropy_loss(self.module(x), y) / len(batches)
+                    loss = self._loss(x, y) / len(batches)
                     aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss
                 scale(loss if aux is None else loss + aux / len(batches)).backward()
             loss_sum += local_value(loss.detach())
@@ -50,4 +59,4 @@ class PlainStep:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of one batch."""
         with autocast(self.device, self.dtype), loss_context(self.tp):
-            return local_value(cross_entropy_loss(self.module(x), y))
+            return local_value(self._loss(x, y))

@@ -103,8 +103,9 @@ def describe(plan: Plan) -> str:
     chunks = f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else ""  # chunks per rank
     pipeline = f" pp {lay.pp} {lay.pp_schedule}{chunks} m{lay.pp_microbatches}" if lay.pp > 1 else ""
     shards = f"{lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else str(lay.dp)
+    context = f" cp {lay.cp} {lay.cp_method}" if lay.cp > 1 else ""
     return (
-        f"dp {shards} zero {lay.zero} tp {lay.tp}{'+sp' if lay.sequence_parallel else ''}{pipeline} "
+        f"dp {shards} zero {lay.zero} tp {lay.tp}{'+sp' if lay.sequence_parallel else ''}{context}{pipeline} "
         f"mbs {lay.micro_batch_size} accum {lay.grad_accum} ckpt {lay.activation_checkpointing}: "
         f"{plan.time.total * 1e3:.1f} ms per step, {plan.memory.total / GiB:.2f} GiB per device"
     )

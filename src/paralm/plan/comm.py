@@ -44,3 +44,10 @@ def parameter_server(nbytes: float, workers: int, servers: int, link: Link) -> f
     servers are few."""
     busiest = max(nbytes, workers * nbytes / servers)
     return 2 * (link.latency + busiest / link.bandwidth)
+
+
+def all_to_all(nbytes: float, n: int, link: Link) -> float:
+    """Each rank keeps 1/n of its `nbytes` and sends every other rank its 1/n (pairwise exchange)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth

@@ -87,10 +87,13 @@ class BlockTimes:
 
 
 def block_forward(
-    cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, sp: bool, element_bytes: int
+    cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, sp: bool, element_bytes: int, cp: int = 1
 ) -> BlockTimes:
+    """With context parallelism (`cp` > 1) a rank holds s / cp positions of each sequence, whose queries
+    attend to all s keys (ring or all-to-all alike: the same work, balanced by zig-zag or by heads)."""
     d, s, e = shape.d_model, shape.block_size, element_bytes
-    tokens = sequences * s
+    local = s // cp
+    tokens = sequences * local
     # Each matrix splits along its side other than d_model (column- or row-parallel alike): the same
     # FLOPs and bytes either way.
     linear = sum(
@@ -109,8 +112,8 @@ def block_forward(
     # The fused kernel multiplies tiles of queries and keys (s x hd by hd x s): a curve measured on thin
     # matrices is read at their smallest side, hd, as every matmul's; a square-GEMM curve at the tiles'
     # equivalent square (the geometric mean), since the sequence, not hd alone, fills the device.
-    fused_size = head_dim if cluster.gemm_shape == "thin" else (s * s * head_dim) ** (1 / 3)
-    attention = 2 * matmul(cluster, dtype, s, s, head_dim, e, count=sequences * shape.n_head / t, size=fused_size)
+    fused_size = head_dim if cluster.gemm_shape == "thin" else (local * s * head_dim) ** (1 / 3)
+    attention = 2 * matmul(cluster, dtype, local, s, head_dim, e, count=sequences * shape.n_head / t, size=fused_size)
     seq_split = t if sp else 1
     # Norms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP; the
     # MLP's activation and RoPE on q and k, split by TP.
@@ -120,10 +123,12 @@ def block_forward(
     return BlockTimes(linear, attention, elementwise)
 
 
-def head_forward(cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, element_bytes: int) -> float:
+def head_forward(
+    cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, element_bytes: int, cp: int = 1
+) -> float:
     """The LM head's matmul and the loss: paralm computes it in fp32 over the vocabulary shard (read the
-    logits, write log-probabilities, read them back for the loss and its gradient)."""
-    tokens, vocab = sequences * shape.block_size, shape.vocab_size / t
+    logits, write log-probabilities, read them back for the loss and its gradient), on this rank's positions."""
+    tokens, vocab = sequences * shape.block_size // cp, shape.vocab_size / t
     loss_bytes = tokens * vocab * (element_bytes + 3 * 4)
     return (
         matmul(cluster, dtype, tokens, vocab, shape.d_model, element_bytes)

@@ -1,6 +1,6 @@
 """What the cost model prices: a `Layout` (how the job is split) for a `Workload` (what is trained).
 
-Ranks form the mesh (pp, dp_replicate, dp_shard, tp), outermost first, as `paralm.parallel.dims`
+Ranks form the mesh (pp, dp_replicate, dp_shard, cp, tp), outermost first, as `paralm.parallel.dims`
 builds it: tp ranks are neighbours, pipeline stages the farthest apart. `Rank` describes what one
 pipeline rank holds, since ranks differ: the first holds the embedding, the last (or, in V-shaped
 schedules, the first) the LM head and loss, and earlier ranks keep more micro-batches in flight.
@@ -89,6 +89,8 @@ class Layout:
     ac_every: int = 2
     pp_split: tuple[int, ...] = ()  # layers per model chunk (pp x v of them); empty: balanced by cost
     ps_servers: int = 0  # devices serving parameters (sync.mode = parameter_server), outside the mesh
+    cp: int = 1  # context parallelism: each sequence's positions split across cp ranks
+    cp_method: str = "ring"  # ring | alltoall
 
     @property
     def dp(self) -> int:
@@ -96,7 +98,16 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.pp * self.dp * self.tp + self.ps_servers
+        return self.pp * self.dp * self.cp * self.tp + self.ps_servers
+
+    @property
+    def shards(self) -> int:
+        """Ranks ZeRO shards model states over: dp_shard, and the cp ranks folded in (as paralm's FSDP)."""
+        return self.dp_shard * self.cp
+
+    def sequence(self, shape: ModelShape) -> int:
+        """Positions of each sequence one rank holds (block_size / cp)."""
+        return shape.block_size // self.cp
 
     @property
     def pipeline_batch(self) -> int:
@@ -141,6 +152,8 @@ class Layout:
             pp_microbatches=self.pp_microbatches if self.pp > 1 else 0,
             pp_virtual_stages=self.pp_virtual_stages,
             pp_split=list(self.pp_split),
+            cp=self.cp,
+            cp_method=self.cp_method,
         )
         train = dataclasses.replace(
             config.train,
@@ -182,12 +195,15 @@ def _critical_ranks(p: int, v: int, v_shape: bool, shape: ModelShape, split: tup
 
 
 def group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
-    """(size, stride) of each process group in the mesh (pp, dp_replicate, dp_shard, tp)."""
-    t, s, r = layout.tp, layout.dp_shard, layout.dp_replicate
+    """(size, stride) of each process group in the mesh (pp, dp_replicate, dp_shard, cp, tp). The cp ranks
+    average gradients with the data-parallel ones and ZeRO shards over them: `dp_shard` and `dp` here are
+    those groups with cp folded in (the plain ones when cp = 1)."""
+    t, c, s, r = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
     return {
         "tp": (t, 1),
-        "dp_shard": (s, t),
-        "dp_replicate": (r, t * s),
-        "dp": (r * s, t),  # both data-parallel dims together (DDP, ZeRO over the whole group)
-        "pp": (layout.pp, t * s * r),
+        "cp": (c, t),
+        "dp_shard": (s * c, t),
+        "dp_replicate": (r, t * c * s),
+        "dp": (r * s * c, t),  # both data-parallel dims together (DDP, ZeRO over the whole group)
+        "pp": (layout.pp, t * c * s * r),
     }

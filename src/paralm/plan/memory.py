@@ -1,7 +1,7 @@
 """Memory per device: model states, activations, embeddings, logits and loss, buffers; each term separately.
 
 Model states follow Rajbhandari et al. 2020 (ZeRO, sec. 3 and 5): stage 1 shards the optimizer state,
-stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` ranks. Activations
+stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` (x cp) ranks. Activations
 follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, sec. 4),
 in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size
 and to the widths each family's `ModelShape` states (grouped-query k and v, a gated MLP's tensors).
@@ -168,8 +168,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     shape, e = work.shape, work.element_bytes
     t, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
     params = rank_params(shape, layout, rank)
-    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.dp_shard)
-    if layout.zero >= 2 and layout.dp_shard > 1:
+    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+    if layout.zero >= 2 and layout.shards > 1:
         states = _fsdp_states(states, params, layout, work)
     elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.parallel.zero1 keeps the averaged gradient shard
         states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
@@ -178,7 +178,7 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
         states = ModelStates(states.param_bytes, states.grad_bytes, states.optim_bytes + 8 * params)
 
-    b, s = layout.pipeline_batch, shape.block_size
+    b, s = layout.pipeline_batch, layout.sequence(shape)  # context parallelism: this rank's positions
     split_width = shape.attention_saved + shape.mlp_saved
     per_layer = dict(t=t, sp=sp, element_bytes=e, dropout=work.dropout, flash=True, split_width=split_width)
     stored = layer_activation_bytes(s, b, shape.d_model, shape.n_head, **per_layer)
@@ -211,7 +211,7 @@ def _fsdp_states(states: ModelStates, params: float, layout: Layout, work: Workl
     `reshard_after_forward=False`, as paralm stores states, the parameters gathered in the compute
     dtype stay from forward to the end of backward beside the sharded fp32 master copy."""
     if layout.zero == 2 and work.recipe == "fp32-master":
-        param = params * work.element_bytes + params * 4 / layout.dp_shard
+        param = params * work.element_bytes + params * 4 / layout.shards
         return ModelStates(param, states.grad_bytes, states.optim_bytes)
     return states
 
@@ -233,7 +233,7 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     extra; NCCL's own buffers are part of the runtime allowance."""
     e, layer = work.element_bytes, work.shape.layer_params / layout.tp
     param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
-    accumulating = layout.zero >= 2 and layout.dp_shard > 1 and layout.grad_accum > 1
+    accumulating = layout.zero >= 2 and layout.shards > 1 and layout.grad_accum > 1
     unsharded_grads = params * grad_bytes if accumulating and not work.sharded_accumulation else 0.0
     if layout.zero == 1:
         unsharded_grads = params * grad_bytes * (1 - 1 / layout.dp_shard)

@@ -23,6 +23,7 @@ LAYOUT_COLUMNS: list[Column] = [
     ("dp", lambda p: f"{p.layout.dp_replicate}x{p.layout.dp_shard}" if p.layout.dp_replicate > 1 else str(p.layout.dp)),
     ("zero", lambda p: str(p.layout.zero)),
     ("tp", lambda p: f"{p.layout.tp}{'+sp' if p.layout.sequence_parallel else ''}"),
+    ("cp", lambda p: f"{p.layout.cp} {p.layout.cp_method}" if p.layout.cp > 1 else "1"),
     ("pp", lambda p: str(p.layout.pp)),
     ("schedule", lambda p: _schedule(p)),
     ("mbs", lambda p: str(p.layout.micro_batch_size)),
@@ -40,7 +41,12 @@ MEMORY_COLUMNS: list[Column] = [
 TIME_COLUMNS: list[Column] = [
     ("compute", lambda p: seconds(p.time.compute_s + p.time.recompute_s)),
     ("bubble", lambda p: seconds(p.time.bubble_s)),
-    ("comm", lambda p: seconds(p.time.tp_comm_s + p.time.pp_comm_s + p.time.dp_exposed_s + p.time.embedding_sync_s)),
+    (
+        "comm",
+        lambda p: seconds(
+            p.time.tp_comm_s + p.time.pp_comm_s + p.time.dp_exposed_s + p.time.embedding_sync_s + p.time.cp_comm_s
+        ),
+    ),
     ("optim", lambda p: seconds(p.time.optimizer_s)),
     ("step s", lambda p: seconds(p.time.total)),
     ("tokens/s", lambda p: f"{p.tokens_per_s:,.0f}"),

@@ -26,6 +26,7 @@ from typing import Any
 from paralm.config import Config
 from paralm.errors import UserError
 from paralm.plan.cluster import Cluster, GiB
+from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
@@ -42,6 +43,7 @@ class Plan:
     time: StepTime
     tokens_per_s: float
     mfu: float
+    cp_bytes: float = 0.0  # bytes a rank sends per block for context parallelism (ring or all-to-all)
 
     def row(self) -> dict[str, Any]:
         """The JSON object of one plan: the layout, memory per term, step time per term, throughput."""
@@ -49,7 +51,7 @@ class Plan:
         row: dict[str, Any] = {"devices": lay.devices, **vars(lay), "pp_split": list(lay.pp_split), **vars(mem)}
         row["mem_bytes_per_device"] = mem.total
         row.update(vars(t))
-        row.update(step_time_s=t.total, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
+        row.update(step_time_s=t.total, tokens_per_s=self.tokens_per_s, mfu=self.mfu, cp_bytes_per_block=self.cp_bytes)
         return row
 
 
@@ -59,7 +61,8 @@ def evaluate(
     time = step_time(layout, work, cluster, overlap=overlap)
     tokens_per_s = work.tokens_per_step / time.total
     mfu = work.shape.flops_per_token * tokens_per_s / (layout.devices * cluster.peak(work.dtype))
-    return Plan(layout, memory or device_memory(layout, work, cluster), time, tokens_per_s, mfu)
+    memory = memory or device_memory(layout, work, cluster)
+    return Plan(layout, memory, time, tokens_per_s, mfu, context_parallel_bytes(layout, work))
 
 
 def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
@@ -68,7 +71,8 @@ def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
     t = config.train
     dp = fixed.get("parallel.dp", -1)
     if dp < 1:
-        dp = max(1, devices // (fixed.get("parallel.tp", 1) * fixed.get("parallel.pp", 1)))
+        model_parallel = fixed.get("parallel.tp", 1) * fixed.get("parallel.pp", 1) * fixed.get("parallel.cp", 1)
+        dp = max(1, devices // model_parallel)
     return t.global_batch_size or t.micro_batch_size * t.grad_accum * dp
 
 
@@ -177,10 +181,10 @@ def _layout_groups(
     span nodes.
     """
     for tp in _choices(fixed, "parallel.tp", [t for t in _divisors(workers) if t <= per_node]):
-        for pp in _choices(fixed, "parallel.pp", _divisors(max(1, workers // tp))):
-            dp = max(1, workers // (tp * pp))
+        for cp, pp, method in _sequence_and_stages(config, fixed, workers // tp):
+            dp = max(1, workers // (tp * cp * pp))
             if fixed.get("parallel.dp", -1) not in (-1, dp):
-                rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x pp {pp}"] += 1
+                rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x cp {cp} x pp {pp}"] += 1
                 continue
             for zero, replicate, shard in _shardings(fixed, dp, config):
                 for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
@@ -201,6 +205,8 @@ def _layout_groups(
                             ac_every=config.train.ac_every,
                             pp_split=tuple(fixed.get("parallel.pp_split", ())),
                             ps_servers=ps_servers,
+                            cp=cp,
+                            cp_method=method,
                         )
                         problem = layout_problem(base.apply_to(config), workers + ps_servers, ps_servers)
                         if problem:
@@ -209,6 +215,18 @@ def _layout_groups(
                             rejected[f"the global batch {batch} is not a multiple of dp = {dp} (tp {tp}, pp {pp})"] += 1
                         else:
                             yield from _micro_batch_groups(config, base, fixed, batch // dp, rejected)
+
+
+def _sequence_and_stages(config: Config, fixed: dict[str, Any], ranks: int) -> Iterator[tuple[int, int, str]]:
+    """(cp, pp, cp_method) for `ranks` per tensor-parallel group: without context parallelism every
+    pipeline degree; with it (cp > 1 takes no pipeline, see `paralm.rules`) both attention methods."""
+    for cp in _choices(fixed, "parallel.cp", _divisors(ranks)):
+        if cp == 1:
+            for pp in _choices(fixed, "parallel.pp", _divisors(ranks)):
+                yield 1, pp, config.parallel.cp_method
+        elif ranks % cp == 0 and fixed.get("parallel.pp", 1) == 1:
+            for method in _choices(fixed, "parallel.cp_method", ["ring", "alltoall"]):
+                yield cp, 1, method
 
 
 def _micro_batch_groups(

@@ -67,6 +67,8 @@ def scaling_table(points: Sequence[Point]) -> str:
         layout = f"dp {lay.dp_replicate}x{lay.dp_shard} zero {lay.zero} tp {lay.tp} pp {lay.pp}"
         if lay.pp > 1:
             layout += f" {lay.pp_schedule} m{lay.pp_microbatches}"
+        if lay.cp > 1:
+            layout += f" cp {lay.cp} {lay.cp_method}"
         layout += f" mbs {lay.micro_batch_size} ckpt {lay.activation_checkpointing}"
         efficiency = (p.plan.tokens_per_s / p.devices) / (first.plan.tokens_per_s / first.devices)
         rows.append(

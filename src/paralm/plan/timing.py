@@ -5,6 +5,8 @@ Stated assumptions:
   peak, elementwise work at the memory bandwidth, a launch latency per kernel; backward costs the
   weight matmuls twice (input and weight gradients), attention and elementwise work twice; recomputed
   blocks run their forward again;
+- context parallelism: a rank computes its s / cp positions (their queries against all s keys), its
+  ring or all-to-all traffic as `paralm.plan.context` states;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
   forward, 2 backward, 2 more per recomputed block) and pipeline sends are on the critical path, and
   with SP one all-reduce of the replicated parameters' gradients per step;
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from paralm.models.shape import ModelShape
 from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster, Link
+from paralm.plan.context import context_parallel_times
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
 from paralm.plan.memory import STATE_RECIPES, rank_params
 
@@ -50,6 +53,7 @@ class StepTime:
     embedding_sync_s: float  # tied embedding gradients between the first and last pipeline rank
     optimizer_s: float
     dp_comm_s: float = 0.0  # all data-parallel traffic time, hidden or not (not part of the total)
+    cp_comm_s: float = 0.0  # context parallelism's traffic not hidden behind attention
 
     @property
     def total(self) -> float:
@@ -62,6 +66,7 @@ class StepTime:
             + self.dp_exposed_s
             + self.embedding_sync_s
             + self.optimizer_s
+            + self.cp_comm_s
         )
 
 
@@ -76,15 +81,19 @@ class _MicroBatch:
     w: float
     tp_f: float
     tp_b: float
+    cp_f: float = 0.0  # context parallelism's exposed traffic, forward (and recompute: in cp_b) and backward
+    cp_b: float = 0.0
 
 
 def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> _MicroBatch:
     shape, t, e = work.shape, layout.tp, work.element_bytes
     sp = layout.sequence_parallel and t > 1
-    block = kernels.block_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, sp, e)
-    head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e) if rank.has_head else 0.0
+    c = layout.cp
+    block = kernels.block_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, sp, e, c)
+    head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e, c) if rank.has_head else 0.0
     recomputed = layout.checkpointed_blocks(rank.layers)
-    activation = layout.pipeline_batch * shape.block_size * shape.d_model * e
+    activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * e
+    cp_f, cp_b = context_parallel_times(layout, work, cluster, block.attention)
     all_reduce = _tensor_parallel_all_reduce(activation, t, cluster.link(*group_strides(layout)["tp"]), sp)
     return _MicroBatch(
         f=rank.layers * block.forward + head,
@@ -95,6 +104,8 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
         tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,
         tp_b=(2 * rank.layers + rank.has_head + 2 * recomputed) * all_reduce,
+        cp_f=rank.layers * cp_f,
+        cp_b=rank.layers * cp_b + recomputed * cp_f,
     )
 
 
@@ -113,16 +124,17 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
     shape, p, v, m, ga = work.shape, layout.pp, layout.pp_virtual_stages, layout.pp_microbatches, layout.grad_accum
     ranks = layout.critical_ranks(shape)
     costs = [_micro_batch(layout, work, cluster, r) for r in ranks]
-    mb = max(costs, key=lambda c: c.f + c.r + c.b_in + c.w + c.tp_f + c.tp_b)  # the slowest rank paces all
+    # the slowest rank paces all
+    mb = max(costs, key=lambda c: c.f + c.r + c.b_in + c.w + c.tp_f + c.tp_b + c.cp_f + c.cp_b)
 
     send = 0.0
     if p > 1:
         seq_split = layout.tp if layout.sequence_parallel else 1
-        activation = layout.pipeline_batch * shape.block_size * shape.d_model * work.element_bytes / seq_split
+        activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * work.element_bytes / seq_split
         # one per chunk boundary
         send = v * comm.p2p(activation, cluster.link(*group_strides(layout)["pp"]))
-    forward = mb.f + mb.tp_f + send
-    backward = mb.r + mb.b_in + mb.w + mb.tp_b + send
+    forward = mb.f + mb.tp_f + mb.cp_f + send
+    backward = mb.r + mb.b_in + mb.w + mb.tp_b + mb.cp_b + send
     bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w)
 
     params = max(rank_params(shape, layout, r) for r in ranks)
@@ -137,6 +149,7 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
         embedding_sync_s=_embedding_sync(layout, work, cluster),
         optimizer_s=_optimizer(layout, work, cluster, params),
         dp_comm_s=dp_total,
+        cp_comm_s=ga * m * (mb.cp_f + mb.cp_b),
     )
 
 
@@ -265,7 +278,7 @@ def _optimizer(layout: Layout, work: Workload, cluster: Cluster, params: float) 
     if layout.ps_servers:
         elements = work.shape.params / layout.ps_servers
     else:
-        elements = params / (layout.dp_shard if layout.zero >= 1 else 1)
+        elements = params / (layout.shards if layout.zero >= 1 else 1)
     return (
         elements * optimizer_bytes_per_param(work.dtype, work.recipe, work.optimizer_slots) / cluster.memory_bandwidth
     )

@@ -56,7 +56,7 @@ class Trainer:
             build_optimizer(engine.model, t, loss_scaling=config.precision.dtype == "fp16")
         )
         self.memory = ModelStateMeter(engine.model, self.optimizer, engine.plan.sync.stepped_optimizer(self.optimizer))
-        self.memory_prediction = predict(config, engine.model, runtime.dims.zero_stage, runtime.dims.dp_shard)
+        self.memory_prediction = predict(config, engine.model, runtime.dims.zero_stage, runtime.dims.shards)
         self.bad = BadSteps(config, runtime, engine.plan.sync)
         self.checkpoints = LoopCheckpoints(config, runtime, engine, self.optimizer)
         self.step, self.samples_seen = self.checkpoints.restore()
