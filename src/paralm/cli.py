@@ -65,6 +65,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.data.prepare import prepare_dataset
+    from paralm.data.sources import TextFields
 
     _no_overrides("data prepare", overrides)
     summary = prepare_dataset(
@@ -73,6 +74,9 @@ def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
+        fields=TextFields(args.text_field, args.text_column),
+        workers=args.workers,
+        dedup=args.dedup,
     )
     print(summary)
     return 0
@@ -263,11 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     data = verbs.add_parser("data", help="prepare token shards from text")
     data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
     prepare = data_verbs.add_parser("prepare", help="tokenize text files into memory-mapped shards")
-    prepare.add_argument("--input", nargs="+", required=True, help="text files, folders or globs")
+    prepare.add_argument(
+        "--input", nargs="+", required=True, help="text, JSONL or Parquet files, save_to_disk folders, folders or globs"
+    )
     prepare.add_argument("--out", required=True, help="output directory")
-    prepare.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    prepare.add_argument("--tokenizer", default="byte", help="byte, bpe (trained here), or a tokenizer.json / folder")
     prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     prepare.add_argument("--val-fraction", type=float, default=0.1)
+    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    prepare.add_argument("--text-column", default="text", help="Parquet / saved-dataset column holding the text")
+    prepare.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="tokenizer processes")
+    prepare.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
     prepare.set_defaults(func=_data_prepare)
     from paralm.plan.cli import add_plan_verbs
 

@@ -158,7 +158,7 @@ def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> 
     tokenizer = BPETokenizer.load(hf_dir)  # a readable tokenizer file, or a one-line error
     if _is_byte_tokenizer(path):
         return ["--data.tokenizer=byte"], "byte tokenizer"
-    write_dataset(list(default_corpus()), tmp / "data", tokenizer, val_fraction)
+    write_dataset((text for _, text in default_corpus()), tmp / "data", tokenizer, val_fraction)
     return [f"--data.path={out / 'data'}"], f"the model's BPE tokenizer on the embedded corpus in {out / 'data'}"
 
 
