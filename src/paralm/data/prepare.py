@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from paralm.config import DataConfig
 from paralm.data.corpus import default_corpus
+from paralm.data.mixture import Source, parse_mixture
 from paralm.data.shards import (
     FORMAT_VERSION,
     MARKER,
@@ -261,11 +262,25 @@ def ensure_default_dataset(tokenizer: str, vocab_size: int, val_fraction: float)
 
 
 def dataset_dir(data: DataConfig) -> Path:
-    """The prepared dataset a config trains on: `data.path`, or the embedded corpus (prepared on first use)."""
+    """The prepared dataset a config trains on (its first source with a mixture): `data.path`, or the
+    embedded corpus (prepared on first use)."""
+    return data_sources(data)[0].path
+
+
+def data_sources(data: DataConfig) -> list[Source]:
+    """The datasets a config trains on, with their weights: `data.mixture`, else one source."""
+    if data.mixture:
+        sources = parse_mixture(data.mixture)
+        for source in sources:
+            _existing(source.path, "data.mixture")
+        return sources
     if data.path:
-        path = Path(data.path)
-        if not path.exists():
-            raise UserError(f"data.path {path} does not exist: run `paralm data prepare --out {path} --input ...`")
-        read_meta(path)
-        return path
-    return ensure_default_dataset(data.tokenizer, data.bpe_vocab_size, data.val_fraction)
+        return [Source(_existing(Path(data.path), "data.path"), 1.0, Path(data.path).name)]
+    return [Source(ensure_default_dataset(data.tokenizer, data.bpe_vocab_size, data.val_fraction), 1.0, "default")]
+
+
+def _existing(path: Path, field: str) -> Path:
+    if not path.exists():
+        raise UserError(f"{field}: {path} does not exist: run `paralm data prepare --out {path} --input ...`")
+    read_meta(path)
+    return path
