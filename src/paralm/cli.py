@@ -38,7 +38,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.evaluate import evaluate_run
 
-    result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides)
+    if args.tasks is not None:
+        from paralm.lmeval.cli import run_tasks
+
+        _no_overrides("eval --tasks", overrides)
+        return run_tasks(args)
+    result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides, heldout=args.heldout)
     print(
         f"{result.checkpoint}: val loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  "
         f"({result.tokens:,} tokens)"
@@ -215,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
     evaluate.add_argument("--run", required=True, help="run directory")
     evaluate.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
+    from paralm.lmeval.cli import add_task_arguments
+
+    add_task_arguments(evaluate)
     evaluate.set_defaults(func=_eval)
 
     generate = verbs.add_parser("generate", help="sample text from a run's checkpoint")
