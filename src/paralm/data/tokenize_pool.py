@@ -99,10 +99,12 @@ def batches(documents: Iterable[str], batch_bytes: int = BATCH_BYTES) -> Iterato
         yield batch
 
 
-def encode_stream(encoding: Encoding, documents: Iterable[str], workers: int) -> Iterator[Encoded]:
+def encode_stream(
+    encoding: Encoding, documents: Iterable[str], workers: int, batch_bytes: int = BATCH_BYTES
+) -> Iterator[Encoded]:
     """Encoded batches in document order; `workers` > 1 spreads them over that many processes (started
     only when there is more than one batch)."""
-    stream = batches(documents)
+    stream = batches(documents, batch_bytes)
     head = list(itertools.islice(stream, 2))
     if workers <= 1 or len(head) < 2:
         backend = _backend(encoding)
