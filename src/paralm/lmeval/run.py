@@ -44,24 +44,29 @@ def evaluate_tasks(request: TaskRequest, manager=None) -> dict:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local task data only: never wait for a hub
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
+
+    manager = manager or task_manager(request.include_path)
+    check_tasks(manager, request.tasks)
+    lm, checkpoint = paralm_lm(request.run, request.checkpoint, request.batch_size)
+    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager, limit=request.limit)
+    results.pop("samples", None)
+    results["paralm"] = {"run": str(request.run), "checkpoint": str(checkpoint)}
+    return results
+
+
+def paralm_lm(run: str, checkpoint: str | None, batch_size: int):
+    """The adapter on a run's checkpoint, with the tokenizer `paralm export` writes; and that checkpoint."""
     from transformers import PreTrainedTokenizerFast
 
     from paralm.export import hf_tokenizer
     from paralm.lmeval.adapter import ParalmLM
     from paralm.runs import load_trained_model
 
-    manager = manager or task_manager(request.include_path)
-    check_tasks(manager, request.tasks)
-    loaded = load_trained_model(request.run, request.checkpoint)
+    loaded = load_trained_model(run, checkpoint)
+    block_size = loaded.config.model.block_size
     backend, specials = hf_tokenizer(loaded.data_dir)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, model_max_length=loaded.config.model.block_size, **specials
-    )
-    lm = ParalmLM(loaded.model, tokenizer, loaded.config.model.block_size, loaded.device, request.batch_size)
-    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager, limit=request.limit)
-    results.pop("samples", None)
-    results["paralm"] = {"run": str(request.run), "checkpoint": str(loaded.checkpoint)}
-    return results
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=block_size, **specials)
+    return ParalmLM(loaded.model, tokenizer, block_size, loaded.device, batch_size), loaded.checkpoint
 
 
 def write_json(results: dict, out: Path) -> None:
