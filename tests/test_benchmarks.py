@@ -26,6 +26,7 @@ ARGS = {
         "1",
     ],
     "comm_counter.py": ["--steps", "1"],
+    "data_prepare.py": ["--mb", "1", "--vocab", "500", "--tokenizer-sample-mb", "0.5"],
     "gpu_check.py": [],  # its CPU run is already the short one: 3 steps per row, tiny shapes (~2 min on 2 cores)
     "generate_cache.py": [
         "--new-tokens",
