@@ -1,8 +1,6 @@
 """Weighted mixtures of prepared datasets: parsing, determinism, layout independence, exact resume."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +10,9 @@ from paralm.data.mixture import MixedData, parse_mixture
 from paralm.data.prepare import prepare_dataset
 from paralm.data.sampler import BatchLayout
 from paralm.errors import UserError
+from paralm.train.trainer import train
+from tests.helpers import read_metrics, tiny_config
+from tests.multiprocess import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -80,30 +81,27 @@ def test_sources_with_different_tokenizers_are_refused(sources, tmp_path):
         MixedData(parse_mixture([f"{sources / 'a'}:1", f"{tmp_path / 'bpe'}:1"]), "train", 16)
 
 
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}, rows
+def _train(config) -> None:
+    train(config)
 
 
 @pytest.mark.slow
 def test_a_mixture_resumed_on_another_layout_equals_the_uninterrupted_run(sources, tmp_path):
-    common = [
-        sys.executable, "-m", "paralm", "train", "--config", "configs/tiny.toml", "--model.n_layer=2",
-        "--model.n_head=2", "--model.d_model=64", "--model.block_size=32", "--train.micro_batch_size=2",
-        "--train.eval_every=0", "--train.eval_samples=4", "--log.tensorboard=false", "--checkpoint.every=2",
-        "--log.every=1", f"--data.mixture={sources / 'a'}:0.7,{sources / 'b'}:0.3",
-    ]  # fmt: skip
+    mixture = {"mixture": [f"{sources / 'a'}:0.7", f"{sources / 'b'}:0.3"]}
 
-    def train(run, steps, nproc):
-        args = [*common, f"--run.dir={tmp_path / run}", f"--train.steps={steps}", "--nproc", str(nproc)]
-        subprocess.run(args, check=True, capture_output=True)
+    def config(run, steps):
+        return tiny_config(
+            tmp_path / run, data=mixture, train={"steps": steps}, checkpoint={"every": 2}, log={"every": 1}
+        )
 
-    train("ref", 4, 2)
-    train("res", 2, 2)
-    train("res", 4, 1)  # resumed on one rank: the same global batch, the same samples
-    (ref, ref_rows), (res, _) = _losses(tmp_path / "ref"), _losses(tmp_path / "res")
+    run_ranks(_train, 2, tmp_path, config("ref", 4))
+    run_ranks(_train, 2, tmp_path, config("res", 2))
+    train(config("res", 4))  # resumed on one rank: the same global batch, the same samples
+    ref_rows, res_rows = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "res")
+    ref = {r["step"]: r["loss"] for r in ref_rows if "loss" in r}
+    res = {r["step"]: r["loss"] for r in res_rows if "loss" in r}
     assert ref.keys() == res.keys() == {0, 1, 2, 3}
     np.testing.assert_allclose([res[k] for k in sorted(ref)], [ref[k] for k in sorted(ref)], rtol=0, atol=1e-5)
     assert {"val_loss/a", "val_loss/b"} <= set(ref_rows[-1])
     state = json.loads((tmp_path / "ref" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
-    assert sum(state["source_samples"].values()) == state["samples_seen"] == 16
+    assert sum(state["source_samples"].values()) == state["samples_seen"] == 32

@@ -2,8 +2,6 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,23 +13,11 @@ from paralm.cli import main
 from paralm.data.prepare import prepare_dataset
 from paralm.export import export_run
 from paralm.lmeval.run import paralm_lm
+from paralm.train.trainer import train
+from tests.helpers import tiny_config
 
 TOPICS = sorted(__import__("pydoc_data.topics", fromlist=["topics"]).topics.items())
 BLOCK = 32
-
-
-def _paralm(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "paralm", *args], capture_output=True, text=True, check=check)
-
-
-def _train(tmp, data_args, run, steps=3):
-    _paralm(
-        "train", "--config", "configs/tiny.toml", "--model.n_layer=2", "--model.n_head=2", "--model.d_model=64",
-        f"--model.block_size={BLOCK}", "--model.vocab_size=512", "--train.micro_batch_size=4", "--train.lr=1e-2",
-        "--train.warmup_steps=0", "--train.eval_every=0", "--train.eval_samples=4", "--log.tensorboard=false",
-        "--checkpoint.every=2", f"--train.steps={steps}", f"--run.dir={tmp / run}", *data_args,
-    )  # fmt: skip
-    return tmp / run
 
 
 _RUNS = {}
@@ -65,7 +51,12 @@ def _trained(kind, tmp_path_factory):
         bpe.save(str(tmp / "tok.json"))
         tokenizer = str(tmp / "tok.json")
     prepare_dataset([str(tmp / "corpus.txt")], str(tmp / "data"), tokenizer, 0, 0.1)
-    run_dir = _train(tmp, [f"--data.path={tmp / 'data'}"], "run")
+    run_dir = tmp / "run"
+    train_config = {"steps": 3, "lr": 1e-2, "warmup_steps": 0}
+    model = {"block_size": BLOCK, "vocab_size": 512}
+    train(
+        tiny_config(run_dir, data={"path": str(tmp / "data")}, model=model, train=train_config, checkpoint={"every": 2})
+    )
     export_run(str(run_dir), str(tmp / "hf"))
     _RUNS[kind] = run_dir, tmp / "hf"
     return _RUNS[kind]
@@ -129,8 +120,8 @@ def test_paralm_eval_tasks_equal_lm_eval_on_the_export_at_every_checkpoint(bpe_r
     run_dir, exported = bpe_run
     _tasks(tmp_path)
     out = tmp_path / "mine.json"
-    _paralm("eval", "--run", str(run_dir), "--tasks", "local_mc,local_ppl", "--include-path", str(tmp_path / "tasks"),
-            "--out", str(out), "--every-checkpoint")  # fmt: skip
+    args = ["eval", "--run", str(run_dir), "--tasks", "local_mc,local_ppl", "--include-path", str(tmp_path / "tasks")]
+    assert main([*args, "--out", str(out), "--every-checkpoint"]) == 0
     mine = json.loads(out.read_text())["checkpoints"]
     assert [c["step"] for c in mine] == [2, 3]
     assert out.with_suffix(".png").stat().st_size > 0
