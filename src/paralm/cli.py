@@ -37,10 +37,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.evaluate import evaluate_run
+    from paralm.lmeval.cli import check_task_options, run_tasks
 
+    check_task_options(args)
     if args.tasks is not None:
-        from paralm.lmeval.cli import run_tasks
-
         _no_overrides("eval --tasks", overrides)
         return run_tasks(args)
     result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides, heldout=args.heldout)

@@ -136,9 +136,14 @@ def test_paralm_eval_tasks_equal_lm_eval_on_the_export_at_every_checkpoint(bpe_r
 
 def test_an_unknown_task_or_include_path_is_a_one_line_error(bpe_run, tmp_path, capsys):
     run_dir, _ = bpe_run
-    for args in (["--tasks", "no_such_task"], ["--tasks", "x", "--include-path", str(tmp_path / "nope")]):
+    for args, fragment in (
+        (["--tasks", "no_such_task"], "does not exist"),
+        (["--tasks", "x", "--include-path", str(tmp_path / "nope")], "does not exist"),
+        (["--out", str(tmp_path / "x.json")], "add --tasks"),  # a task option without tasks is not ignored
+    ):
         assert main(["eval", "--run", str(run_dir), *args]) == 2
-        assert "does not exist" in capsys.readouterr().err.strip().splitlines()[-1]
+        assert fragment in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_heldout_perplexity_is_the_exported_model_loss_on_the_file(run, tmp_path, capsys):

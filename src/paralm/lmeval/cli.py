@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from paralm.errors import UserError
@@ -19,6 +18,17 @@ def add_task_arguments(evaluate: argparse.ArgumentParser) -> None:
     evaluate.add_argument("--limit", type=int, help="at most this many documents per task")
     evaluate.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
     evaluate.add_argument("--heldout", help="perplexity on this text file instead of the validation split")
+
+
+def check_task_options(args: argparse.Namespace) -> None:
+    """The task options mean nothing without --tasks, and --heldout nothing with it: say so, not ignore them."""
+    given = [
+        f"--{k.replace('_', '-')}" for k in ("include_path", "out", "every_checkpoint", "limit") if getattr(args, k)
+    ]
+    if args.tasks is None and given:
+        raise UserError(f"{given[0]} applies to lm-eval tasks: add --tasks NAME[,NAME]")
+    if args.tasks is not None and args.heldout:
+        raise UserError("--heldout and --tasks exclude each other: run them as two commands")
 
 
 def run_tasks(args: argparse.Namespace) -> int:
@@ -38,8 +48,8 @@ def run_tasks(args: argparse.Namespace) -> int:
         raise UserError(f"{args.run} has no complete checkpoint: train it first")
     by_step = []
     for checkpoint in checkpoints:
-        request = TaskRequest(args.run, tasks, args.include_path, checkpoint and str(checkpoint), args.batch_size)
-        request.limit = args.limit
+        where = checkpoint and str(checkpoint)
+        request = TaskRequest(args.run, tasks, args.include_path, where, args.batch_size, args.limit)
         results = evaluate_tasks(request, manager)
         step = checkpoint_step(Path(results["paralm"]["checkpoint"]))
         for line in summary(results):
@@ -79,4 +89,4 @@ def plot_metrics(by_step: list[tuple[int, dict]], path: Path) -> None:
     axes.legend()
     figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)
-    print(json.dumps({"plot": str(path)}))
+    print(f"paralm: {path}: the task metrics against the step")

@@ -41,7 +41,8 @@ def check_tasks(manager, tasks: list[str]) -> None:
 
 def evaluate_tasks(request: TaskRequest, manager=None) -> dict:
     """lm-eval's results dictionary (`results` -> task -> `acc,none`, ...) for one checkpoint."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local task data only: never wait for a hub
+    # offline unless the caller says otherwise: a task's local data files never wait on an unreachable hub
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
 
