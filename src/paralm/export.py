@@ -22,7 +22,7 @@ from paralm.config import CONFIG_FILE, Config, ParallelConfig, SyncConfig
 from paralm.data.corpus import default_corpus
 from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
-from paralm.data.tokenizer import BPE_FILE, BPETokenizer, load_tokenizer
+from paralm.data.tokenizer import BPE_FILE, PretrainedTokenizer, load_tokenizer
 from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.models.config import ModelConfig
@@ -175,11 +175,11 @@ def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> 
     path = hf_dir / BPE_FILE
     if not path.is_file():
         return ["--data.tokenizer=byte"], f"no {BPE_FILE} in {hf_dir}: the run reads byte tokens"
-    tokenizer = BPETokenizer.load(hf_dir)  # a readable tokenizer file, or a one-line error
+    tokenizer = PretrainedTokenizer.from_path(hf_dir)  # with its tokenizer_config's specials; or a one-line error
     if _is_byte_tokenizer(path):
         return ["--data.tokenizer=byte"], "byte tokenizer"
     write_dataset((text for _, text in default_corpus()), tmp / "data", tokenizer, val_fraction)
-    return [f"--data.path={out / 'data'}"], f"the model's BPE tokenizer on the embedded corpus in {out / 'data'}"
+    return [f"--data.path={out / 'data'}"], f"the model's tokenizer on the embedded corpus in {out / 'data'}"
 
 
 def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[str]) -> str:
