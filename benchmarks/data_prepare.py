@@ -44,14 +44,14 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
 
     rng = random.Random(seed)
     sentences = [s.strip() for text in topics.values() for s in text.split(". ") if len(s.strip()) > 20]
-    syllables = ["ka", "lo", "mer", "tri", "zan", "ou", "pel", "dra", "vis", "en", "sto", "qu", "ix", "bar"]
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
     target, written = int(megabytes * 1e6), 0
     with open(path, "w") as f:
         while written < target:
             words = []
             for _ in range(rng.randint(5, 60)):
                 words.append(rng.choice(sentences) + ".")
-                words.append("".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))))
+                words.append("".join(rng.choice(syllables) for _ in range(rng.randint(2, 5))))
             line = json.dumps({"id": written, "text": " ".join(words)}) + "\n"
             f.write(line)
             written += len(line.encode())

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from paralm.cli import main
 from paralm.data.prepare import prepare_dataset
 from paralm.data.shards import TokenDataset, read_meta
 from paralm.data.sources import TextFields
@@ -159,12 +160,9 @@ def test_what_an_interrupted_prepare_left_is_removed_and_never_read(tmp_path):
     assert not left.exists() and TokenDataset(tmp_path / "ds", "train", 8).num_windows > 0
 
 
-def test_the_model_vocabulary_is_checked_against_the_tokenizer_at_train_start(tmp_path, tok_file):
+def test_the_model_vocabulary_is_checked_against_the_tokenizer_at_train_start(tmp_path, tok_file, capsys):
     _write_jsonl(tmp_path / "a.jsonl", DOCS)
     prepare_dataset([str(tmp_path / "a.jsonl")], str(tmp_path / "ds"), str(tok_file), 0, 0.1)
-    result = subprocess.run(
-        [sys.executable, "-m", "paralm", "train", "--config", "configs/tiny.toml", f"--data.path={tmp_path / 'ds'}",
-         "--model.vocab_size=256", f"--run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 2 and "set model.vocab_size >= 300" in result.stderr
+    args = [f"--data.path={tmp_path / 'ds'}", "--model.vocab_size=256", f"--run.dir={tmp_path / 'run'}"]
+    assert main(["train", "--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", *args]) == 2
+    assert "set model.vocab_size >= 300" in capsys.readouterr().err
