@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000, help="BPE vocabulary size")
     parser.add_argument("--tokenizer-sample-mb", type=float, default=20, help="MB of the corpus the BPE learns from")
     parser.add_argument("--workers", type=int, default=2, help="paralm's tokenizer processes and datasets' num_proc")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each tool, alternating which goes first")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -129,17 +131,22 @@ def main() -> None:
         paralm += ["--tokenizer", str(tmp / "tok.json"), "--out", str(tmp / "shards"), "--workers", str(args.workers)]
         hf = [sys.executable, "-c", DATASETS_SCRIPT, str(tmp / "corpus.jsonl"), str(tmp / "tok.json")]
         hf += [str(tmp / "cache"), str(args.workers)]
+        tools = [("paralm data prepare", paralm), ("datasets map", hf)]
         rows = []
-        for name, command in (("paralm data prepare", paralm), ("datasets map", hf)):
-            seconds, peak, out = measure(command)
-            if name.startswith("paralm"):
-                meta = json.loads((tmp / "shards" / "meta.json").read_text())
-                tokens = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
-            else:
-                tokens = int(out.split()[-1])
-            rows.append([name, f"{tokens:,}", f"{seconds:.1f}", f"{size / 1e6 / seconds:.2f}", f"{peak / 2**20:.0f}"])
+        for round_ in range(args.rounds):
+            for name, command in tools if round_ % 2 == 0 else tools[::-1]:
+                shutil.rmtree(tmp / "shards", ignore_errors=True)
+                shutil.rmtree(tmp / "cache", ignore_errors=True)
+                seconds, peak, out = measure(command)
+                if name.startswith("paralm"):
+                    meta = json.loads((tmp / "shards" / "meta.json").read_text())
+                    tokens = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
+                else:
+                    tokens = int(out.split()[-1])
+                mb_s = size / 1e6 / seconds
+                rows.append([name, round_ + 1, f"{tokens:,}", f"{seconds:.1f}", f"{mb_s:.2f}", f"{peak / 2**20:.0f}"])
     print(f"corpus: {size / 1e6:.1f} MB of JSONL, BPE vocabulary {vocab}, {args.workers} worker processes each")
-    print_table(["tool", "tokens", "seconds", "MB/s", "peak RSS MiB"], rows)
+    print_table(["tool", "round", "tokens", "seconds", "MB/s", "peak RSS MiB"], rows)
     for line in machine():
         print(line)
 
