@@ -30,6 +30,7 @@ ARGS = {
         *("--budget-mib", "64", "--start", "512", "--longest", "512", "--speed-at", "512"),
         *("--layouts", "cp1", "cp2-ring"),
     ],
+    "data_prepare.py": ["--mb", "1", "--vocab", "500", "--tokenizer-sample-mb", "0.5"],
     "gpu_check.py": [],  # its CPU run is already the short one: 3 steps per row, tiny shapes (~2 min on 2 cores)
     "generate_cache.py": [
         "--new-tokens",

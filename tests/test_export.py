@@ -133,6 +133,6 @@ def test_a_bpe_run_exports_its_tokenizer_and_imports_with_its_data(tmp_path):
     run = tmp_path / "imported"
     assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
     imported = load_config(run / "config.toml")
-    assert imported.data.path == str(run / "data") and read_meta(run / "data")["tokenizer"] == "bpe"
+    assert imported.data.path == str(run / "data") and read_meta(run / "data")["tokenizer"] == "hf"
     prompt = "The "
     assert generate_from_run(str(run), prompt, 8, 0, 0) == generate_from_run(str(config.run.dir), prompt, 8, 0, 0)

@@ -58,8 +58,13 @@ def _train_replicas(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.evaluate import evaluate_run
+    from paralm.lmeval.cli import check_task_options, run_tasks
 
-    result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides)
+    check_task_options(args)
+    if args.tasks is not None:
+        _no_overrides("eval --tasks", overrides)
+        return run_tasks(args)
+    result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides, heldout=args.heldout)
     print(
         f"{result.checkpoint}: val loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  "
         f"({result.tokens:,} tokens)"
@@ -86,6 +91,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.data.prepare import prepare_dataset
+    from paralm.data.sources import TextFields
 
     _no_overrides("data prepare", overrides)
     summary = prepare_dataset(
@@ -94,6 +100,9 @@ def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
+        fields=TextFields(args.text_field, args.text_column),
+        workers=args.workers,
+        dedup=args.dedup,
     )
     print(summary)
     return 0
@@ -240,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
     evaluate.add_argument("--run", required=True, help="run directory")
     evaluate.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
+    from paralm.lmeval.cli import add_task_arguments
+
+    add_task_arguments(evaluate)
     evaluate.set_defaults(func=_eval)
 
     generate = verbs.add_parser("generate", help="sample text from a run's checkpoint")
@@ -292,11 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     data = verbs.add_parser("data", help="prepare token shards from text")
     data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
     prepare = data_verbs.add_parser("prepare", help="tokenize text files into memory-mapped shards")
-    prepare.add_argument("--input", nargs="+", required=True, help="text files, folders or globs")
+    prepare.add_argument(
+        "--input", nargs="+", required=True, help="text, JSONL or Parquet files, save_to_disk folders, folders or globs"
+    )
     prepare.add_argument("--out", required=True, help="output directory")
-    prepare.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    prepare.add_argument("--tokenizer", default="byte", help="byte, bpe (trained here), or a tokenizer.json / folder")
     prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     prepare.add_argument("--val-fraction", type=float, default=0.1)
+    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    prepare.add_argument("--text-column", default="text", help="Parquet / saved-dataset column holding the text")
+    prepare.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="tokenizer processes")
+    prepare.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
     prepare.set_defaults(func=_data_prepare)
     from paralm.plan.cli import add_plan_verbs
 

@@ -48,6 +48,7 @@ class DataConfig:
     tokenizer: str = option("byte", "tokenizer for the embedded corpus when data.path is empty", ("byte", "bpe"))
     bpe_vocab_size: int = option(4096, "BPE vocabulary size for the embedded corpus")
     val_fraction: float = option(0.1, "share of the token stream held out for validation")
+    mixture: list[str] = option([], 'prepared datasets with weights, "PATH:WEIGHT" each; replaces data.path')
 
 
 @dataclass

@@ -22,7 +22,7 @@ from paralm.config import CONFIG_FILE, Config, ParallelConfig, SyncConfig
 from paralm.data.corpus import default_corpus
 from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
-from paralm.data.tokenizer import BPE_FILE, END_OF_TEXT, BPETokenizer
+from paralm.data.tokenizer import BPE_FILE, PretrainedTokenizer, load_tokenizer
 from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.models.config import ModelConfig
@@ -83,6 +83,23 @@ def byte_tokenizer():
     return tokenizer
 
 
+def hf_tokenizer(data_dir: Path):
+    """The dataset's tokenizer as Hugging Face loads it (a `tokenizers.Tokenizer`), and its end-of-text
+    and beginning-of-sequence tokens: lm-eval's `hf` model prefixes an empty context with one of them,
+    so both are always defined. Where the tokenizer has none (bytes), the token of id 0 stands for them,
+    marked special so that both sides split it alike."""
+    meta = read_meta(data_dir)
+    if meta["tokenizer"] == "byte":
+        tokenizer, eos_id, bos_id = byte_tokenizer(), None, None
+    else:
+        loaded = load_tokenizer(meta["tokenizer"], data_dir)
+        tokenizer, eos_id, bos_id = loaded.backend, loaded.eot_id, loaded.bos_id
+    eos = tokenizer.id_to_token(0 if eos_id is None else eos_id)
+    bos = eos if bos_id is None else tokenizer.id_to_token(bos_id)
+    tokenizer.add_special_tokens(sorted({eos, bos}))
+    return tokenizer, {"eos_token": eos, "bos_token": bos}
+
+
 def _is_byte_tokenizer(path: Path) -> bool:
     """Whether a tokenizer file is paralm's byte tokenizer (every byte its own id, no merges)."""
     from tokenizers import Tokenizer
@@ -99,24 +116,27 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
     hf = model_spec(model_config).hf
     kwargs = hf.config_to_hf(model_config)
     meta = read_meta(loaded.data_dir)
-    tokenizer = BPETokenizer.load(loaded.data_dir) if meta["tokenizer"] == "bpe" else BPETokenizer(byte_tokenizer())
-    eot = tokenizer.eot_id
+    tokenizer, specials = hf_tokenizer(loaded.data_dir)
+    eos_id = tokenizer.token_to_id(specials["eos_token"])
+    bos_id = tokenizer.token_to_id(specials["bos_token"])
     hf_config = {
         "architectures": [hf.architecture],
         "model_type": hf.model_type,
         **kwargs,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
     }
     weights = hf.to_hf(loaded.model.cpu().state_dict(), model_config)
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_config.block_size}
-    if eot is not None:
-        tokenizer_config |= {"eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_config.block_size,
+        **specials,
+    }
     out_dir = Path(out)
     with _atomic_folder(out_dir) as tmp:
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=1))
-        tokenizer.save(tmp)
+        tokenizer.save(str(tmp / BPE_FILE))
         (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1))
     return (
         f"{out_dir}: {hf_config['architectures'][0]} ({_millions(model_config)} parameters, "
@@ -156,11 +176,11 @@ def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> 
     path = hf_dir / BPE_FILE
     if not path.is_file():
         return ["--data.tokenizer=byte"], f"no {BPE_FILE} in {hf_dir}: the run reads byte tokens"
-    tokenizer = BPETokenizer.load(hf_dir)  # a readable tokenizer file, or a one-line error
+    tokenizer = PretrainedTokenizer.from_path(hf_dir)  # with its tokenizer_config's specials; or a one-line error
     if _is_byte_tokenizer(path):
         return ["--data.tokenizer=byte"], "byte tokenizer"
-    write_dataset(list(default_corpus()), tmp / "data", tokenizer, val_fraction)
-    return [f"--data.path={out / 'data'}"], f"the model's BPE tokenizer on the embedded corpus in {out / 'data'}"
+    write_dataset((text for _, text in default_corpus()), tmp / "data", tokenizer, val_fraction)
+    return [f"--data.path={out / 'data'}"], f"the model's tokenizer on the embedded corpus in {out / 'data'}"
 
 
 def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[str]) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from paralm.config import Config
+from paralm.data.mixture import parse_mixture
 from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.errors import UserError
 from paralm.models.moe import check_moe
@@ -63,6 +64,10 @@ def validate(config: Config) -> None:
     check_moe_layout(config)
     if not 0 < config.data.val_fraction < 1:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
+    if config.data.mixture:
+        parse_mixture(config.data.mixture)  # weights: a number each, none negative, a positive sum
+        if config.data.path:
+            raise UserError("data.path and data.mixture are both set: list data.path in data.mixture instead")
     if config.parallel.timeout_s <= 0:
         raise UserError(f"parallel.timeout_s = {config.parallel.timeout_s} must be positive")
     if config.comm.bucket_mb <= 0:

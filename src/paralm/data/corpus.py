@@ -42,14 +42,3 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 
 def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
-
-
-def read_documents(files: list[Path]) -> Iterator[tuple[str, str]]:
-    """(name, text) for each UTF-8 file; a file that is not text is a user error naming it."""
-    for path in files:
-        try:
-            yield str(path), path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"{path} is not UTF-8 text: remove it from --input or convert it") from None
-        except OSError as e:
-            raise UserError(f"{path} cannot be read: {e.strerror}") from None

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from paralm.config import DataConfig
-from paralm.data.corpus import default_corpus, expand_inputs, read_documents
+from paralm.data.corpus import default_corpus
+from paralm.data.mixture import Source, parse_mixture
 from paralm.data.shards import (
     FORMAT_VERSION,
     MARKER,
@@ -24,44 +28,49 @@ from paralm.data.shards import (
     token_dtype,
     written_by_paralm,
 )
-from paralm.data.tokenizer import BPE_FILE, BPETokenizer, ByteTokenizer, Tokenizer
+from paralm.data.sources import TextFields, iter_documents, resolve_inputs
+from paralm.data.tokenize_pool import Encoded, Encoding, encode_stream
+from paralm.data.tokenizer import BPE_FILE, SPECIALS_FILE, BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
 
 
 def write_dataset(
-    documents: list[tuple[str, str]],
+    documents: Iterable[str],
     out: Path,
     tokenizer: Tokenizer,
     val_fraction: float,
     shard_tokens: int = SHARD_TOKENS,
+    workers: int = 1,
+    dedup: bool = False,
 ) -> dict:
-    """Tokenize each document and split it: its first (1 - val_fraction) tokens go to train, the rest
-    to validation. Every document then feeds both splits in proportion, which keeps the validation
-    set representative for single-file corpora too. Written into a temporary folder and renamed, so
-    an interrupted run never leaves a folder that looks complete."""
+    """Tokenize each document (streamed, in `workers` processes) and split it: its first
+    (1 - val_fraction) tokens go to train, the rest to validation. Every document then feeds both
+    splits in proportion, which keeps the validation set representative for single-file corpora too.
+    Written into a temporary folder and renamed, so an interrupted run never leaves a folder that looks
+    complete (and the next run removes what it left)."""
     if not 0 < val_fraction < 1:
         raise UserError(f"validation fraction {val_fraction} must be in (0, 1)")
     out = Path(out)
     check_replaceable(out)
+    _remove_abandoned(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
-        for _, text in tqdm(
-            documents, desc=f"tokenizing ({tokenizer.name})", unit="doc", disable=not sys.stderr.isatty()
-        ):
-            ids = tokenizer.encode(text)
-            if tokenizer.eot_id is not None:
-                ids.append(tokenizer.eot_id)
-            tokens = np.asarray(ids, dtype=dtype)
-            cut = len(tokens) - int(round(len(tokens) * val_fraction))
-            writers["train"].write(tokens[:cut])
-            writers["val"].write(tokens[cut:])
+        unique = Unique(documents) if dedup else None
+        progress = Progress(tokenizer.name)
+        for encoded in encode_stream(_encoding(tokenizer, val_fraction, dtype), unique or documents, workers):
+            writers["train"].write(encoded.train)
+            writers["val"].write(encoded.val)
+            progress.update(encoded)
+        progress.close()
         for writer in writers.values():
             writer.close()
+        if progress.documents == 0:
+            raise UserError("the inputs hold no documents: check --input (and --text-field / --text-column)")
         tokenizer.save(tmp)
         meta = {
             MARKER[0]: MARKER[1],
@@ -69,7 +78,8 @@ def write_dataset(
             "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size,
             "dtype": dtype.name,
-            "documents": len(documents),
+            "documents": progress.documents,
+            "duplicates_dropped": unique.dropped if unique else 0,
             "val_fraction": val_fraction,
             "splits": {s: {"shards": w.shards, "tokens": w.tokens} for s, w in writers.items()},
             "shard_tokens": {
@@ -82,6 +92,72 @@ def write_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+def _encoding(tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype) -> Encoding:
+    backend = getattr(tokenizer, "backend", None)
+    return Encoding(
+        None if backend is None else backend.to_str(),
+        tokenizer.eot_id,
+        tokenizer.bos_id,
+        val_fraction,
+        dtype.name,
+    )
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Temporary folders an interrupted prepare of `out` left behind (its process is gone)."""
+    for tmp in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Unique:
+    """The documents with exact duplicates dropped (a set of 16-byte digests: memory grows with the
+    number of distinct documents, not their size)."""
+
+    def __init__(self, documents: Iterable[str]) -> None:
+        self.documents, self.dropped, self._seen = documents, 0, set()
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self.documents:
+            digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+            if digest in self._seen:
+                self.dropped += 1
+                continue
+            self._seen.add(digest)
+            yield text
+
+
+class Progress:
+    """Documents, tokens and MB/s on a terminal (nothing when stderr is not one)."""
+
+    def __init__(self, name: str) -> None:
+        self.documents = self.tokens = self.text_bytes = 0
+        self.started = time.perf_counter()
+        self.bar = tqdm(desc=f"tokenizing ({name})", unit="doc", disable=not sys.stderr.isatty())
+
+    def update(self, encoded: Encoded) -> None:
+        self.documents += encoded.documents
+        self.tokens += len(encoded.train) + len(encoded.val)
+        self.text_bytes += encoded.text_bytes
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.update(encoded.documents)
+        self.bar.set_postfix_str(f"{self.tokens:,} tokens, {self.text_bytes / seconds / 1e6:.1f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def check_replaceable(out: Path) -> None:
@@ -103,7 +179,7 @@ def check_replaceable(out: Path) -> None:
             "choose an empty or new folder"
         )
     shards = meta.get("shard_tokens")
-    listed = {META_FILE, BPE_FILE, *(shards if isinstance(shards, dict) else {})}
+    listed = {META_FILE, BPE_FILE, SPECIALS_FILE, *(shards if isinstance(shards, dict) else {})}
     others = sorted(p.name for p in out.iterdir() if p.name not in listed or not p.is_file())
     if others:
         raise UserError(
@@ -121,17 +197,37 @@ def _replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def make_tokenizer(kind: str, vocab_size: int, documents: Iterable[tuple[str, str]]) -> Tokenizer:
+def make_tokenizer(kind: str, vocab_size: int, documents: Callable[[], Iterable[str]]) -> Tokenizer:
+    """`byte`, `bpe` (trained on the documents: a first pass over them) or a path to a pretrained one."""
     if kind == "byte":
         return ByteTokenizer()
-    return BPETokenizer.train((text for _, text in documents), vocab_size)
+    if kind == "bpe":
+        return BPETokenizer.train(documents(), vocab_size)
+    path = Path(kind)
+    if not path.exists():
+        raise UserError(f"--tokenizer {kind}: not byte, bpe, nor an existing tokenizer.json or tokenizer folder")
+    return PretrainedTokenizer.from_path(path)
 
 
-def prepare_dataset(inputs: list[str], out: str, tokenizer: str, vocab_size: int, val_fraction: float) -> str:
+def prepare_dataset(
+    inputs: list[str],
+    out: str,
+    tokenizer: str,
+    vocab_size: int,
+    val_fraction: float,
+    fields: TextFields | None = None,
+    workers: int = 1,
+    dedup: bool = False,
+) -> str:
     """The `data prepare` verb: returns a one-paragraph summary for the terminal."""
     check_replaceable(Path(out))  # before reading and tokenizing everything
-    documents = list(read_documents(expand_inputs(inputs)))
-    meta = write_dataset(documents, Path(out), make_tokenizer(tokenizer, vocab_size, documents), val_fraction)
+    paths = resolve_inputs(inputs)
+
+    def documents() -> Iterator[str]:
+        return iter_documents(paths, fields or TextFields())
+
+    made = make_tokenizer(tokenizer, vocab_size, documents)
+    meta = write_dataset(documents(), Path(out), made, val_fraction, workers=workers, dedup=dedup)
     return _summary(Path(out), meta)
 
 
@@ -157,17 +253,34 @@ def ensure_default_dataset(tokenizer: str, vocab_size: int, val_fraction: float)
     if (out / META_FILE).is_file():
         read_meta(out)
         return out
-    documents = list(default_corpus())
-    write_dataset(documents, out, make_tokenizer(tokenizer, vocab_size, documents), val_fraction)
+
+    def documents() -> Iterator[str]:
+        return (text for _, text in default_corpus())
+
+    write_dataset(documents(), out, make_tokenizer(tokenizer, vocab_size, documents), val_fraction)
     return out
 
 
 def dataset_dir(data: DataConfig) -> Path:
-    """The prepared dataset a config trains on: `data.path`, or the embedded corpus (prepared on first use)."""
+    """The prepared dataset a config trains on (its first source with a mixture): `data.path`, or the
+    embedded corpus (prepared on first use)."""
+    return data_sources(data)[0].path
+
+
+def data_sources(data: DataConfig) -> list[Source]:
+    """The datasets a config trains on, with their weights: `data.mixture`, else one source."""
+    if data.mixture:
+        sources = parse_mixture(data.mixture)
+        for source in sources:
+            _existing(source.path, "data.mixture")
+        return sources
     if data.path:
-        path = Path(data.path)
-        if not path.exists():
-            raise UserError(f"data.path {path} does not exist: run `paralm data prepare --out {path} --input ...`")
-        read_meta(path)
-        return path
-    return ensure_default_dataset(data.tokenizer, data.bpe_vocab_size, data.val_fraction)
+        return [Source(_existing(Path(data.path), "data.path"), 1.0, Path(data.path).name)]
+    return [Source(ensure_default_dataset(data.tokenizer, data.bpe_vocab_size, data.val_fraction), 1.0, "default")]
+
+
+def _existing(path: Path, field: str) -> Path:
+    if not path.exists():
+        raise UserError(f"{field}: {path} does not exist: run `paralm data prepare --out {path} --input ...`")
+    read_meta(path)
+    return path

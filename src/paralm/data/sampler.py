@@ -24,12 +24,25 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def _hashes(seed: int, indices: np.ndarray) -> np.ndarray:
+    key = _splitmix64(np.array([seed], dtype=np.uint64))[0]
+    with np.errstate(over="ignore"):
+        return _splitmix64(indices.astype(np.uint64) ^ key)
+
+
 def sample_windows(seed: int, start: int, count: int, num_windows: int) -> np.ndarray:
     """Window indices of samples start .. start + count - 1 of the stream keyed by `seed`."""
-    key = _splitmix64(np.array([seed], dtype=np.uint64))[0]
-    indices = np.arange(start, start + count, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        return (_splitmix64(indices ^ key) % np.uint64(num_windows)).astype(np.int64)
+    return windows_at(seed, np.arange(start, start + count, dtype=np.uint64), num_windows)
+
+
+def windows_at(seed: int, indices: np.ndarray, num_windows: int) -> np.ndarray:
+    """Window indices of the given samples of the stream keyed by `seed`."""
+    return (_hashes(seed, indices) % np.uint64(num_windows)).astype(np.int64)
+
+
+def uniform_at(seed: int, indices: np.ndarray) -> np.ndarray:
+    """A number in [0, 1) for each of the given samples of the stream keyed by `seed` (53 random bits)."""
+    return (_hashes(seed, indices) >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
 @dataclass(frozen=True)

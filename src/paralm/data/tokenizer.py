@@ -1,7 +1,9 @@
-"""Tokenizers: raw bytes (vocabulary 256, nothing to train) and byte-level BPE trained locally."""
+"""Tokenizers: raw bytes (vocabulary 256, nothing to train), byte-level BPE trained locally, and any
+pretrained Hugging Face `tokenizer.json` (or tokenizer folder), copied into the dataset that used it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -9,13 +11,18 @@ from typing import Protocol
 from paralm.errors import UserError
 
 BPE_FILE = "tokenizer.json"
+SPECIALS_FILE = "tokenizer_config.json"
 END_OF_TEXT = "<|endoftext|>"
+# Where a bare tokenizer.json names no special tokens, these are how the common families spell them.
+EOT_NAMES = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eot_id: int | None
+    bos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
@@ -28,6 +35,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
     eot_id = None
+    bos_id = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -43,11 +51,17 @@ class BPETokenizer:
     """GPT-2-style byte-level BPE from Hugging Face `tokenizers`, with one end-of-text token."""
 
     name = "bpe"
+    bos_id = None
 
     def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.eot_id = tokenizer.token_to_id(END_OF_TEXT)
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself (worker processes and export rebuild it from its JSON)."""
+        return self._tokenizer
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -78,7 +92,7 @@ class BPETokenizer:
             raise UserError(f"tokenizer file {path} is missing or unreadable ({e}): prepare the data again") from None
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids))
@@ -87,9 +101,63 @@ class BPETokenizer:
         self._tokenizer.save(str(directory / BPE_FILE))
 
 
+class PretrainedTokenizer(BPETokenizer):
+    """A user's `tokenizer.json` (any model type): its end-of-text and beginning-of-sequence tokens come
+    from a `tokenizer_config.json` beside it, else from the names the common families use."""
+
+    name = "hf"
+
+    def __init__(self, tokenizer, eos: str | None, bos: str | None) -> None:
+        super().__init__(tokenizer)
+        self.eos, self.bos = eos, bos
+        self.eot_id = None if eos is None else tokenizer.token_to_id(eos)
+        self.bos_id = None if bos is None or bos == eos else tokenizer.token_to_id(bos)
+
+    @classmethod
+    def from_path(cls, path: Path) -> PretrainedTokenizer:
+        """A `tokenizer.json` file, or a folder holding one (and maybe `tokenizer_config.json`)."""
+        from tokenizers import Tokenizer
+
+        file = path / BPE_FILE if path.is_dir() else path
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises its own exception types for a bad file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(
+                f"tokenizer {file} does not parse as a tokenizer.json ({reason}): pass a valid one"
+            ) from None  # noqa: E501
+        eos, bos = _special_names(file.parent / SPECIALS_FILE, tokenizer)
+        return cls(tokenizer, eos, bos)
+
+    def save(self, directory: Path) -> None:
+        super().save(directory)
+        specials = {"eos_token": self.eos, "bos_token": self.bos if self.bos_id is not None else None}
+        (directory / SPECIALS_FILE).write_text(json.dumps(specials, indent=1))
+
+
+def _special_names(config: Path, tokenizer) -> tuple[str | None, str | None]:
+    vocab = tokenizer.get_vocab()
+    names = {}
+    if config.is_file():
+        try:
+            names = json.loads(config.read_text())
+        except ValueError:
+            raise UserError(f"{config} is not JSON: fix it or remove it") from None
+    found = []
+    for key, defaults in (("eos_token", EOT_NAMES), ("bos_token", BOS_NAMES)):
+        value = names.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is None and key not in names:
+            value = next((n for n in defaults if n in vocab), None)
+        found.append(value if value in vocab else None)
+    return found[0], found[1]
+
+
 def load_tokenizer(name: str, directory: Path) -> Tokenizer:
     if name == "byte":
         return ByteTokenizer()
     if name == "bpe":
         return BPETokenizer.load(directory)
+    if name == "hf":
+        return PretrainedTokenizer.from_path(directory)
     raise UserError(f"{directory}: unknown tokenizer {name!r} in its metadata: prepare the data again")

@@ -46,7 +46,7 @@ class Worker:
         while True:
             if reply.status.evaluates:
                 unreported = self._traffic()  # with the servers, before the evaluation's collectives
-                self.report(self.engine.evaluate(), unreported)
+                self.report(self.engine.evaluate()["val_loss"], unreported)
             if reply.status.stops:
                 return
             self.push(*self.compute(reply.version, reply.start), reply)

@@ -89,7 +89,7 @@ def checkpoint_step(path: Path) -> int | None:
     return int(name[len(_PREFIX) :]) if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit() else None
 
 
-def _complete_checkpoints(run_dir: str | Path) -> list[Path]:
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """The run's finished checkpoints, oldest first by step number."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
@@ -100,7 +100,7 @@ def _complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest undamaged checkpoint of a run; a damaged newer one is reported in one line and passed over."""
-    for path in reversed(_complete_checkpoints(run_dir)):
+    for path in reversed(complete_checkpoints(run_dir)):
         problem = damage(path)
         if problem is None:
             return path
@@ -176,7 +176,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _prune(newest: Path, keep: int) -> None:
     """Keep the `keep` highest steps; never the one just written (the last good one)."""
-    for old in _complete_checkpoints(newest.parent.parent)[:-keep]:
+    for old in complete_checkpoints(newest.parent.parent)[:-keep]:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
 

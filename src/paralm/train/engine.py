@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paralm.config import Config
-from paralm.data.prepare import dataset_dir
-from paralm.data.sampler import BatchLayout, sample_windows
-from paralm.data.shards import TokenDataset
+from paralm.data.mixture import MixedData
+from paralm.data.prepare import data_sources, dataset_dir
+from paralm.data.sampler import BatchLayout
 from paralm.degrees import resolve_grad_accum
 from paralm.evaluate import validation_loss
 from paralm.models.registry import model_shape, model_spec
@@ -37,10 +37,10 @@ class StepEngine:
         if runtime.local_rank == 0:  # one preparer per node; the others then find it done
             dataset_dir(config.data)
         runtime.barrier()
-        data_dir = dataset_dir(config.data)
-        self.train_data = TokenDataset(data_dir, "train", config.model.block_size)
-        self.val_data = TokenDataset(data_dir, "val", config.model.block_size)
-        check_vocab_size(config, self.train_data.vocab_size, data_dir)
+        sources = data_sources(config.data)
+        self.train_data = MixedData(sources, "train", config.model.block_size)
+        self.val_data = MixedData(sources, "val", config.model.block_size)
+        check_vocab_size(config, self.train_data.vocab_size, sources[0].path)
         # this rank's share of each batch: a slice of the global batch (a parameter-server worker may
         # take a whole batch of its own instead); fault-tolerant replica groups split it first
         groups = config.sync.replica_groups
@@ -72,8 +72,7 @@ class StepEngine:
         size = self.layout.micro_batch_size
         batches = []
         for first in self.layout.micro_batch_starts(start, self.dp_rank):
-            windows = sample_windows(self.config.train.seed, first, size, self.train_data.num_windows)
-            x, y = self.train_data.batch(windows)
+            x, y = self.train_data.sample(self.config.train.seed, first, size)
             batches.append((to_device(x, self.device), to_device(y, self.device)))
         return batches
 
@@ -82,20 +81,32 @@ class StepEngine:
         mean loss over them (0 on pipeline ranks without the last stage)."""
         return self.plan.forward_backward(batches, self.scaler.scale)
 
-    def evaluate(self) -> float:
-        """Validation loss (collective over the ranks that step together)."""
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (collective over the ranks that step together): `val_loss`, and with a mixture
+        each source's as `val_loss/NAME` and their mean weighted as the mixture samples them."""
         t = self.config.train
-        loss, _ = validation_loss(
-            self.module,
-            self.plan.eval_loss,
-            self.val_data,
-            self.runtime,
-            t.eval_samples,
-            t.micro_batch_size,
-            t.seed,
-            self.device,
-        )
-        return loss
+        losses = {}
+        for source, data in zip(self.val_data.sources, self.val_data.datasets, strict=True):
+            losses[f"val_loss/{source.name}"], _ = validation_loss(
+                self.module,
+                self.plan.eval_loss,
+                data,
+                self.runtime,
+                t.eval_samples,
+                t.micro_batch_size,
+                t.seed,
+                self.device,
+            )
+        if len(losses) == 1:
+            return {"val_loss": next(iter(losses.values()))}
+        weights = [s.weight for s in self.val_data.sources]
+        return {"val_loss": sum(w * v for w, v in zip(weights, losses.values(), strict=True)), **losses}
+
+    def data_positions(self, samples_seen: int) -> dict[str, int]:
+        """Samples each source has given so far (for the checkpoint; empty with a single source)."""
+        if len(self.train_data.sources) == 1:
+            return {}
+        return self.train_data.positions(self.config.train.seed, samples_seen)
 
     def describe(self) -> str:
         """The model and how each step's batch is laid out, for the start-up line."""

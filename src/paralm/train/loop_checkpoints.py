@@ -48,6 +48,8 @@ class LoopCheckpoints:
             "loss_scaler": self.engine.scaler.state_dict(),
             "global_batch": self.engine.layout.global_batch,
         }
+        if positions := self.engine.data_positions(samples_seen):
+            state["source_samples"] = positions
         started = time.perf_counter()
         path = self.checkpointer.save(
             self.run_dir,

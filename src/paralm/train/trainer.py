@@ -103,7 +103,7 @@ class Trainer:
             if evaluate or save or self.step == first + 1 or self.metrics.due(self.step):
                 rows = self._read_back(first)
                 if evaluate:
-                    rows[-1]["val_loss"] = self.engine.evaluate()
+                    rows[-1].update(self.engine.evaluate())
                 self._log(rows, first)
             if save:
                 self.save()

@@ -1,0 +1,118 @@
+"""Several prepared datasets mixed with weights (`data.mixture = ["data/a:0.7", "data/b:0.3"]`).
+
+Global sample i comes from source s(i), drawn with the mixture's weights from a stream of its own
+(a pure function of the seed and i), and takes window `hash(seed + 1 + s, i)` of that source. Like the
+single-source sampler, nothing depends on the layout: the global position (samples consumed) fixes
+every source's position, so a run resumed on any number of ranks continues the same sequence. The
+samples each source has given so far are recorded in the checkpoint's trainer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paralm.data.sampler import sample_windows, uniform_at, windows_at
+from paralm.data.shards import TokenDataset
+from paralm.data.tokenizer import BPE_FILE
+from paralm.errors import UserError
+
+# The source choice draws from its own stream, apart from every source's windows.
+MIX_SEED_OFFSET = 2_000_003
+COUNT_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    weight: float
+    name: str
+
+
+def parse_mixture(entries: list[str]) -> list[Source]:
+    """`PATH:WEIGHT` entries as sources with normalised weights; bad entries are one-line errors."""
+    parsed = []
+    for entry in entries:
+        path, sep, weight = entry.rpartition(":")
+        try:
+            value = float(weight) if sep and path else None
+        except ValueError:
+            value = None
+        if value is None or not np.isfinite(value):
+            raise UserError(f"data.mixture entry {entry!r} is not PATH:WEIGHT: write e.g. data/a:0.7")
+        if value < 0:
+            raise UserError(f"data.mixture weight of {path} is negative ({weight}): weights must be >= 0")
+        parsed.append((Path(path), value))
+    total = sum(w for _, w in parsed)
+    if total <= 0:
+        raise UserError("data.mixture weights sum to zero: give at least one source a positive weight")
+    names = [p.name or str(p) for p, _ in parsed]
+    return [
+        Source(p, w / total, n if names.count(n) == 1 else f"{n}.{i}")
+        for i, ((p, w), n) in enumerate(zip(parsed, names, strict=True))
+    ]
+
+
+class MixedData:
+    """One split of every source; `sample` gives the inputs and targets of global samples."""
+
+    def __init__(self, sources: list[Source], split: str, block_size: int) -> None:
+        self.sources = sources
+        self.datasets = [TokenDataset(s.path, split, block_size) for s in sources]
+        self._bounds = np.cumsum([s.weight for s in sources])
+        _check_same_tokenizer(self.datasets)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.datasets[0].vocab_size
+
+    def source_of(self, seed: int, indices: np.ndarray) -> np.ndarray:
+        """Which source each global sample comes from."""
+        if len(self.sources) == 1:
+            return np.zeros(len(indices), dtype=np.int64)
+        draws = uniform_at(seed + MIX_SEED_OFFSET, indices)
+        return np.minimum(np.searchsorted(self._bounds, draws, side="right"), len(self.sources) - 1)
+
+    def sample(self, seed: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (count, block_size), of global samples start .. start + count - 1."""
+        if len(self.datasets) == 1:  # the single-source stream, unchanged
+            data = self.datasets[0]
+            return data.batch(sample_windows(seed, start, count, data.num_windows))
+        indices = np.arange(start, start + count, dtype=np.uint64)
+        which = self.source_of(seed, indices)
+        block = self.datasets[0].block_size
+        x = torch.empty(count, block, dtype=torch.int64)
+        y = torch.empty(count, block, dtype=torch.int64)
+        for s, data in enumerate(self.datasets):
+            rows = np.flatnonzero(which == s)
+            if len(rows):
+                xs, ys = data.batch(windows_at(seed + 1 + s, indices[rows], data.num_windows))
+                x[rows], y[rows] = xs, ys
+        return x, y
+
+    def positions(self, seed: int, samples_seen: int) -> dict[str, int]:
+        """The samples each source has given in the first `samples_seen` of the run."""
+        counts = np.zeros(len(self.sources), dtype=np.int64)
+        for start in range(0, samples_seen, COUNT_CHUNK):
+            indices = np.arange(start, min(start + COUNT_CHUNK, samples_seen), dtype=np.uint64)
+            counts += np.bincount(self.source_of(seed, indices), minlength=len(self.sources))
+        return {s.name: int(c) for s, c in zip(self.sources, counts, strict=True)}
+
+
+def _check_same_tokenizer(datasets: list[TokenDataset]) -> None:
+    """Token ids mean the same in every source: the same tokenizer kind, vocabulary and file."""
+    first = datasets[0]
+    for other in datasets[1:]:
+        if _tokenizer_identity(other) != _tokenizer_identity(first):
+            raise UserError(
+                f"data.mixture: {other.directory} and {first.directory} were prepared with different tokenizers: "
+                "prepare every source with the same --tokenizer"
+            )
+
+
+def _tokenizer_identity(data: TokenDataset) -> tuple:
+    file = data.directory / BPE_FILE
+    return data.meta["tokenizer"], data.vocab_size, file.read_bytes() if file.is_file() else None
