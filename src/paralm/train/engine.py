@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
+from paralm.compress.masks import MaskedState, Masks, saved_masks
 from paralm.config import Config
 from paralm.data.prepare import dataset_dir
 from paralm.data.sampler import BatchLayout, sample_windows
@@ -51,8 +52,15 @@ class StepEngine:
         self.shape = model_shape(config.model)
         self.plan = parallelize(self.model, runtime, config)
         self.module = self.plan.module
+        pruned = saved_masks(checkpoint_to_resume(config))  # a pruned run keeps its masks (`paralm prune`)
+        self.masks = Masks(self.plan.model, pruned) if pruned else None
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Stateful:
+        """The plan's model, optimizer and strategy state, with the pruning masks where the run has them."""
+        state = self.plan.checkpoint_state(optimizer)
+        return MaskedState(state, self.masks) if self.masks else state
 
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that
