@@ -23,6 +23,7 @@ from paralm.config import CONFIG_FILE, ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.export import atomic_folder, fresh_optimizer_state
 from paralm.load_config import load_config
+from paralm.models.config import ModelConfig
 from paralm.models.registry import model_spec
 from paralm.models.spec import Branch
 from paralm.parallel.runtime import init_runtime
@@ -60,7 +61,7 @@ def _unit_masks(module: nn.Module, prefix: str, branch: Branch, keep: torch.Tens
     return masks
 
 
-def structured_masks(model: nn.Module, sparsity: float, config) -> dict[str, torch.Tensor]:
+def structured_masks(model: nn.Module, sparsity: float, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Per block and branch, the round(sparsity · units) units of smallest L2 norm removed."""
     spec, masks = model_spec(config), {}
     for prefix, branch in branch_layers(model, spec):

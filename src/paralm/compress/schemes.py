@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from paralm.errors import UserError
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
+
+
+@contextmanager
+def quiet_torchao():
+    """Import torchao without its import-time warnings on stderr (a CUDA-only kernel library that a CPU
+    build cannot load, a deprecation inside torch): they say nothing about the user's request."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.quantization  # noqa: F401
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+    yield
 
 
 def check_scheme(scheme: str, device: torch.device) -> None:
@@ -32,7 +51,12 @@ def _group_size(model: nn.Module, names: list[str]) -> int:
 
 def torchao_config(scheme: str, model: nn.Module, names: list[str]):
     """The torchao config of `scheme` for the layers `names` of `model`."""
-    from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+    with quiet_torchao():
+        from torchao.quantization import (
+            Int4WeightOnlyConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+        )
 
     if scheme == "int8-weight":
         return Int8WeightOnlyConfig()  # per output channel
@@ -48,7 +72,8 @@ def model_dtype(scheme: str) -> torch.dtype:
 
 def quantize_layers(model: nn.Module, scheme: str, names: list[str]) -> None:
     """Quantize the linear layers `names` of `model` in place (torchao's `quantize_`)."""
-    from torchao.quantization import quantize_
+    with quiet_torchao():
+        from torchao.quantization import quantize_
 
     wanted = set(names)
     model.to(model_dtype(scheme))
