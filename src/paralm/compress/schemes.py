@@ -23,6 +23,8 @@ def quiet_torchao():
         logger.setLevel(logging.ERROR)
     try:
         import torchao.quantization  # noqa: F401
+    except ImportError:
+        raise UserError("quantization, QAT and FP8 need torchao: pip install 'paralm[compress]'") from None
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
