@@ -8,7 +8,8 @@ validation loss against sparsity, with and without a fine-tune of the pruned mod
 
 Each family trains `--steps` steps from its tiny config (shrunk by the shape flags), then: the int8
 schemes through `paralm quantize`; each method and sparsity through `paralm prune`, evaluated as
-pruned and after `--finetune-steps` steps of `paralm train` (masks kept). File size is the model's
+pruned and after `--finetune-steps` steps of `paralm train` (masks kept), beside the unpruned model
+trained as many steps more. File size is the model's
 weights file: safetensors of the fp32 model (embeddings included, a tied head once) for the
 uncompressed and pruned models (zeros are stored: no sparse format), the quantized folder's file for
 the schemes. Generation: `--new-tokens` greedy tokens with the KV cache after an untimed warm-up, median of
@@ -19,6 +20,7 @@ Check `uptime` (printed): figures taken under load move together, compare within
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -95,6 +97,11 @@ def family_rows(family: str, args: argparse.Namespace, work: Path) -> tuple[list
     size = fp32_size(base, work)
     reference = measure(base, args, size)
     rows = [{"family": family, "what": "uncompressed", **reference}]
+    more = work / f"{family}-more"  # the fair reference for a fine-tune: the same steps on the unpruned model
+    shutil.copytree(base, more)
+    train(load_config(CONFIGS[family], shape_overrides(args, args.steps + args.finetune_steps, more)))
+    longer = measure(more, args, size)
+    rows.append({"family": family, "what": f"uncompressed + {args.finetune_steps} steps", **longer})
     for scheme in SCHEMES:
         out = work / f"{family}-{scheme}"
         quantize_run(str(base), scheme, str(out))
@@ -111,7 +118,8 @@ def family_rows(family: str, args: argparse.Namespace, work: Path) -> tuple[list
             tuned = measure(out, args, size)
             rows.append({"family": family, "what": f"{method} {sparsity:.0%} + {args.finetune_steps} steps", **tuned})
             curves.setdefault(method, []).append((sparsity, pruned["loss"], tuned["loss"]))
-    return [{**row, "ref": reference} for row in rows], {"reference": reference["loss"], **curves}
+    lines = {"reference": reference["loss"], "longer": longer["loss"], **curves}
+    return [{**row, "ref": reference} for row in rows], lines
 
 
 def plot(curves: dict, args: argparse.Namespace) -> None:
@@ -123,6 +131,7 @@ def plot(curves: dict, args: argparse.Namespace) -> None:
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
     for ax, (family, lines) in zip(axes[0], curves.items(), strict=True):
         ax.axhline(lines["reference"], color="gray", linestyle=":", label="uncompressed")
+        ax.axhline(lines["longer"], color="gray", linestyle="--", label=f"uncompressed + {args.finetune_steps} steps")
         for method in args.methods:
             points = lines[method]
             xs = [0.0] + [p[0] for p in points]

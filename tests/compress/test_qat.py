@@ -1,43 +1,49 @@
-"""Quantization-aware training (`train.qat`): the model trained with int8 fake quantization loses less
-when `paralm quantize` makes it int8 than the model trained without.
+"""Quantization-aware training (`train.qat = "int8-dynamic"`): what the model trains with is what
+`paralm quantize --scheme int8-dynamic` computes.
 
-Both runs start from the same seed and see the same batches. What is compared is each model's loss
-change under quantization (quantized minus unquantized, on 256 validation windows): a plainly trained
-model sits where the unquantized loss is low, so quantizing moves it up; the QAT model's latent
-weights were trained for the quantized forward, so quantizing moves its loss less (it often falls).
-On this config the change was +1.6e-5 for the plain model and -1.6e-5 for the QAT one (and +1e-5 / -5e-6
-at 60 steps of a 32-wide model); a QAT that did nothing would give the same change for both.
+A QAT run's fake-quantized forward must give the logits of its int8-dynamic quantized model within
+0.5 % of the largest logit (measured about 0.1 %, the difference between fake quantization in floating
+point and torchao's integer matmul), at least 5 times closer than the unquantized forward of the same
+weights (measured about 2.4 %): the weights were trained through the quantization they are deployed
+with. Whether that makes the quantized QAT model's loss lower than a plainly trained one's is not
+asserted: on tiny models int8 moves the validation loss by 1e-5 (see the issue's note), less than the
+difference between the two trainings.
 """
 
 import pytest
+import torch
 
+from paralm.compress.qat import apply_qat
 from paralm.compress.quantize import quantize_run
 from paralm.errors import UserError
-from paralm.evaluate import evaluate_run
 from paralm.load_config import load_config
+from paralm.models.registry import model_spec
+from paralm.runs import load_trained_model
+from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
 from paralm.train.trainer import train
 from tests.helpers import tiny_config
 
-STEPS = 60
-WINDOWS = ["--train.eval_samples=256"]
-
-
-def _quantization_change(run_dir, tmp_path) -> float:
-    quantize_run(str(run_dir), "int8-dynamic", str(tmp_path / f"{run_dir.name}-q"))
-    plain = evaluate_run(str(run_dir), overrides=WINDOWS).loss
-    quantized = evaluate_run(str(tmp_path / f"{run_dir.name}-q"), overrides=WINDOWS).loss
-    return quantized - plain
+TRAINED_ERROR = 0.005
 
 
 @pytest.mark.slow
-def test_qat_loses_less_when_quantized_than_plain_training(tmp_path):
-    changes = {}
-    for qat in ("none", "int8-dynamic"):
-        run_dir = tmp_path / qat
-        train_section = {"steps": STEPS, "decay_steps": STEPS, "micro_batch_size": 8, "qat": qat}
-        train(tiny_config(run_dir, train=train_section, model={"d_model": 64, "block_size": 64}))
-        changes[qat] = _quantization_change(run_dir, tmp_path)
-    assert changes["int8-dynamic"] < changes["none"], changes
+def test_qat_trains_the_forward_that_int8_dynamic_deploys(tmp_path):
+    config = tiny_config(tmp_path / "qat", train={"steps": 30, "qat": "int8-dynamic"}, model={"d_model": 64})
+    train(config)
+    quantize_run(str(config.run.dir), "int8-dynamic", str(tmp_path / "q"))
+    spec = model_spec(config.model)
+    fake = spec.build(config.model)
+    apply_qat(fake, spec, "int8-dynamic")
+    load_checkpoint(latest_checkpoint(config.run.dir), fake)
+    plain = load_trained_model(config.run.dir).model
+    quantized = load_trained_model(tmp_path / "q").model
+    x = torch.randint(0, config.model.vocab_size, (4, 32))
+    with torch.no_grad():
+        deployed = quantized(x)
+        scale = deployed.abs().max()
+        trained_error = ((fake.eval()(x) - deployed).abs().max() / scale).item()
+        float_error = ((plain(x) - deployed).abs().max() / scale).item()
+    assert trained_error < TRAINED_ERROR and trained_error < float_error / 5, (trained_error, float_error)
 
 
 def test_qat_with_tensor_parallelism_is_refused(tmp_path):

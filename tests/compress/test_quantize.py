@@ -100,4 +100,3 @@ def test_bad_requests_are_one_line_errors_and_write_nothing(base, tmp_path):
     with pytest.raises(UserError, match="cannot be exported"):
         export_run(str(quantized), str(out))
     assert not out.exists()
-

@@ -1,9 +1,9 @@
 """Quantization-aware training (`train.qat`): the blocks' linear layers fake-quantized as `paralm quantize`
 will quantize them, so training learns weights that lose less when they are.
 
-`int8-dynamic` fake-quantizes weights per output channel, symmetric int8 (exactly what the int8 schemes
-store), and activations per token to int8 (asymmetric: torchao's QAT has no symmetric per-token
-fake quantizer yet, while the int8-dynamic scheme quantizes them symmetrically). torchao swaps each
+`int8-dynamic` fake-quantizes weights per output channel, symmetric int8, and activations per token,
+asymmetric int8: what the int8-dynamic scheme computes (torchao's QAT has no symmetric per-token fake
+quantizer, so that scheme quantizes activations asymmetrically too). torchao swaps each
 layer for a `FakeQuantizedLinear` with the same parameters and names, so checkpoints stay those of the
 plain model: `paralm quantize` converts a QAT run like any other.
 """

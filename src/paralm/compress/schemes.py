@@ -59,11 +59,12 @@ def torchao_config(scheme: str, model: nn.Module, names: list[str]):
             Int8DynamicActivationInt8WeightConfig,
             Int8WeightOnlyConfig,
         )
+        from torchao.quantization.quant_primitives import MappingType
 
     if scheme == "int8-weight":
         return Int8WeightOnlyConfig()  # per output channel
-    if scheme == "int8-dynamic":
-        return Int8DynamicActivationInt8WeightConfig()  # per-token activations, per-channel weights
+    if scheme == "int8-dynamic":  # per-token asymmetric activations (as QAT fakes them), per-channel weights
+        return Int8DynamicActivationInt8WeightConfig(act_mapping_type=MappingType.ASYMMETRIC)
     return Int4WeightOnlyConfig(group_size=_group_size(model, names), int4_packing_format="tile_packed_to_4d")
 
 
