@@ -17,7 +17,7 @@ from torch import nn
 
 from paralm.compress.layers import canonical
 from paralm.parallel.sync import TrainingState
-from paralm.train.checkpoint_reader import SafeFileSystemReader
+from paralm.train.checkpoint import saved_entries
 
 MASKS = "masks"
 
@@ -65,6 +65,6 @@ def saved_masks(path: Path | None) -> list[str]:
     """The names of the parameters a checkpoint holds masks for (none: not a pruned run)."""
     if path is None:
         return []
-    entries = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    entries = saved_entries(path)
     prefix = MASKS + "."
     return sorted(key[len(prefix) :] for key in entries if key.startswith(prefix))

@@ -52,7 +52,8 @@ class StepEngine:
         self.shape = model_shape(config.model)
         self.plan = parallelize(self.model, runtime, config)
         self.module = self.plan.module
-        pruned = saved_masks(checkpoint_to_resume(config))  # a pruned run keeps its masks (`paralm prune`)
+        self.resume_from = checkpoint_to_resume(config)
+        pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
@@ -65,7 +66,7 @@ class StepEngine:
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that
         step together); returns its trainer state, or None when the run starts fresh."""
-        path = checkpoint_to_resume(self.config)
+        path = self.resume_from
         return None if path is None else load_checkpoint(path, state, self.runtime.group)
 
     def micro_batches(self, start: int = 0) -> Batches:
