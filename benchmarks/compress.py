@@ -4,7 +4,7 @@ validation loss against sparsity, with and without a fine-tune of the pruned mod
 
     python benchmarks/compress.py [--steps 300] [--finetune-steps 50] [--sparsities 0.25 0.5 0.75]
         [--methods magnitude structured] [--families gpt2 llama] [--n-layer 2] [--d-model 64]
-        [--new-tokens 64] [--rounds 3] [--eval-samples 64] [--plot compress.png] [--threads 2]
+        [--new-tokens 64] [--rounds 7] [--eval-samples 64] [--plot compress.png] [--threads 2]
 
 Each family trains `--steps` steps from its tiny config (shrunk by the shape flags), then: the int8
 schemes through `paralm quantize`; each method and sparsity through `paralm prune`, evaluated as
@@ -12,8 +12,9 @@ pruned and after `--finetune-steps` steps of `paralm train` (masks kept), beside
 trained as many steps more. File size is the model's
 weights file: safetensors of the fp32 model (embeddings included, a tied head once) for the
 uncompressed and pruned models (zeros are stored: no sparse format), the quantized folder's file for
-the schemes. Generation: `--new-tokens` greedy tokens with the KV cache after an untimed warm-up, median of
-`--rounds`.
+the schemes. Generation: `--new-tokens` greedy tokens with the KV cache, every model in turn in each of `--rounds`
+rounds after a warm-up round, the median per model (pruned models run the same dense matmuls as the
+uncompressed one: no sparse kernels).
 Check `uptime` (printed): figures taken under load move together, compare within one table.
 """
 
@@ -37,6 +38,7 @@ from paralm.load_config import load_config
 from paralm.models.registry import model_spec
 from paralm.models.sampling import generate
 from paralm.runs import load_trained_model
+from paralm.train.checkpoint import latest_checkpoint
 from paralm.train.trainer import train
 
 CONFIGS = {"gpt2": "configs/tiny.toml", "llama": "configs/llama-tiny.toml"}
@@ -54,28 +56,30 @@ def fp32_size(run: Path, work: Path) -> int:
     return path.stat().st_size
 
 
-def tokens_per_s(run: Path, new_tokens: int, rounds: int) -> float:
-    """Median over `rounds` of greedy generation's tokens/s with the KV cache."""
-    loaded = load_trained_model(run)
-    prompt = torch.tensor([list(b"def ")], device=loaded.device)
-    block = loaded.config.model.block_size
-    generate(loaded.model, prompt, 4, block, 0.0, None, None, True)  # warm-up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        generate(loaded.model, prompt, new_tokens, block, 0.0, None, None, True)
-        times.append(time.perf_counter() - start)
-    return new_tokens / statistics.median(times)
+def tokens_per_s(models: dict[str, Path], new_tokens: int, rounds: int) -> dict[str, float]:
+    """Greedy generation's tokens/s with the KV cache per model (label: checkpoint or quantized folder),
+    median over `rounds` rounds that each time every model in turn, so a change of load hits all alike."""
+    loaded = {label: load_trained_model(*_run_and_checkpoint(path)) for label, path in models.items()}
+    times: dict[str, list[float]] = {label: [] for label in models}
+    for round_ in range(rounds + 1):  # the first round warms up and is not counted
+        for label, run in loaded.items():
+            prompt = torch.tensor([list(b"def ")], device=run.device)
+            start = time.perf_counter()
+            generate(run.model, prompt, new_tokens, run.config.model.block_size, 0.0, None, None, True)
+            if round_:
+                times[label].append(time.perf_counter() - start)
+    return {label: new_tokens / statistics.median(t) for label, t in times.items()}
 
 
-def measure(run: Path, args: argparse.Namespace, size: int) -> dict:
-    result = evaluate_run(str(run), overrides=[f"--train.eval_samples={args.eval_samples}"])
-    return {
-        "size": size,
-        "loss": result.loss,
-        "ppl": result.perplexity,
-        "tok_s": tokens_per_s(run, args.new_tokens, args.rounds),
-    }
+def _run_and_checkpoint(path: Path) -> tuple[Path, str | None]:
+    """A quantized folder is a run of its own; a checkpoint folder lies in `<run>/checkpoints/`."""
+    return (path, None) if path.parent.name != "checkpoints" else (path.parent.parent, str(path))
+
+
+def measure(path: Path, args: argparse.Namespace, size: int) -> dict:
+    run, checkpoint = _run_and_checkpoint(path)
+    result = evaluate_run(str(run), checkpoint, overrides=[f"--train.eval_samples={args.eval_samples}"])
+    return {"size": size, "loss": result.loss, "ppl": result.perplexity, "path": result.checkpoint}
 
 
 def shape_overrides(args: argparse.Namespace, steps: int, run: Path) -> list[str]:
@@ -95,12 +99,12 @@ def family_rows(family: str, args: argparse.Namespace, work: Path) -> tuple[list
     base = work / family
     train(load_config(CONFIGS[family], shape_overrides(args, args.steps, base)))
     size = fp32_size(base, work)
-    reference = measure(base, args, size)
+    reference = measure(latest_checkpoint(base), args, size)
     rows = [{"family": family, "what": "uncompressed", **reference}]
     more = work / f"{family}-more"  # the fair reference for a fine-tune: the same steps on the unpruned model
     shutil.copytree(base, more)
     train(load_config(CONFIGS[family], shape_overrides(args, args.steps + args.finetune_steps, more)))
-    longer = measure(more, args, size)
+    longer = measure(latest_checkpoint(more), args, size)
     rows.append({"family": family, "what": f"uncompressed + {args.finetune_steps} steps", **longer})
     for scheme in SCHEMES:
         out = work / f"{family}-{scheme}"
@@ -111,11 +115,11 @@ def family_rows(family: str, args: argparse.Namespace, work: Path) -> tuple[list
         for sparsity in args.sparsities:
             out = work / f"{family}-{method}-{sparsity}"
             prune_run(str(base), sparsity, method, str(out))
-            pruned = measure(out, args, size)
+            pruned = measure(latest_checkpoint(out), args, size)
             rows.append({"family": family, "what": f"{method} {sparsity:.0%}", **pruned})
             config = load_config(str(out / "config.toml"), shape_overrides(args, args.finetune_steps, out))
             train(config)
-            tuned = measure(out, args, size)
+            tuned = measure(latest_checkpoint(out), args, size)
             rows.append({"family": family, "what": f"{method} {sparsity:.0%} + {args.finetune_steps} steps", **tuned})
             curves.setdefault(method, []).append((sparsity, pruned["loss"], tuned["loss"]))
     lines = {"reference": reference["loss"], "longer": longer["loss"], **curves}
@@ -163,7 +167,7 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="generation timings per model (median)")
+    parser.add_argument("--rounds", type=int, default=7, help="generation timings per model (median)")
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--plot", default="compress.png")
     parser.add_argument("--threads", type=int, default=2)
@@ -174,6 +178,10 @@ def main() -> None:
         for family in args.families:
             family_rows_, curves[family] = family_rows(family, args, Path(work))
             rows += family_rows_
+        speeds = tokens_per_s({f"{r['family']} {r['what']}": r["path"] for r in rows}, args.new_tokens, args.rounds)
+    for r in rows:
+        r["tok_s"] = speeds[f"{r['family']} {r['what']}"]
+    reference_speed = {r["family"]: r["tok_s"] for r in rows if r["what"] == "uncompressed"}
     for line in machine():
         print(line)
     print_table(
@@ -188,7 +196,7 @@ def main() -> None:
                 f"{r['loss'] - r['ref']['loss']:+.4f}",
                 f"{r['ppl']:.2f}",
                 f"{r['tok_s']:.0f}",
-                f"{r['tok_s'] / r['ref']['tok_s']:.2f}",
+                f"{r['tok_s'] / reference_speed[r['family']]:.2f}",
             ]
             for r in rows
         ],
