@@ -41,7 +41,10 @@ from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint
 from paralm.train.trainer import train
 
-CONFIGS = {"gpt2": "configs/tiny.toml", "llama": "configs/llama-tiny.toml"}
+CONFIGS = {
+    family: str(Path(__file__).parents[1] / "configs" / name)
+    for family, name in (("gpt2", "tiny.toml"), ("llama", "llama-tiny.toml"))
+}
 SCHEMES = ("int8-weight", "int8-dynamic")
 
 
