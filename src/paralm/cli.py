@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     from paralm.sweep.cli import add_sweep_verb
 
     add_sweep_verb(verbs)
+    from paralm.compress.cli import add_compress_verbs
+
+    add_compress_verbs(verbs)
     return parser
 
 

@@ -78,6 +78,9 @@ class TrainConfig:
     compile: bool = option(
         False, "torch.compile each transformer block (pays back its start-up time on GPUs; measure on CPUs)"
     )
+    qat: str = option(
+        "none", "quantization-aware training: fake-quantize as this scheme will", ("none", "int8-dynamic")
+    )
     max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
 
 
@@ -169,6 +172,7 @@ class SyncConfig:
 class PrecisionConfig:
     dtype: str = option("fp32", "compute dtype (master weights stay fp32)", tuple(DTYPES))
     reduce_dtype: str = option("fp32", "gradient-reduction dtype under sharding", tuple(DTYPES))
+    float8: bool = option(False, "blocks' linear layers in FP8 (torchao float8 training; GPUs of capability >= 8.9)")
 
 
 @dataclass

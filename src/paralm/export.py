@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from paralm.compress.quantized_run import refuse_quantized
 from paralm.config import CONFIG_FILE, Config, ParallelConfig, SyncConfig
 from paralm.data.corpus import default_corpus
 from paralm.data.prepare import write_dataset
@@ -39,7 +40,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 @contextmanager
-def _atomic_folder(out: Path) -> Iterator[Path]:
+def atomic_folder(out: Path) -> Iterator[Path]:
     """A temporary sibling of `out`, renamed to `out` when the block succeeds and removed when it fails."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} already exists and is not empty: choose a new --out folder")
@@ -111,6 +112,7 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
     """Write the run's model as a transformers folder of its family; returns a one-line summary."""
     from safetensors.torch import save_file
 
+    refuse_quantized(run_dir, "exported (transformers reads torchao weights only through its own TorchAoConfig)")
     loaded = load_trained_model(run_dir, checkpoint)
     model_config = loaded.config.model
     hf = model_spec(model_config).hf
@@ -133,7 +135,7 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
         **specials,
     }
     out_dir = Path(out)
-    with _atomic_folder(out_dir) as tmp:
+    with atomic_folder(out_dir) as tmp:
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=1))
         tokenizer.save(str(tmp / BPE_FILE))
@@ -191,7 +193,7 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
     spec = hf_spec(hf_config.get("model_type"), source)
     model_fields = spec.hf.config_from_hf(hf_config, source)
     model_args = [f"--model.{k}={v}" for k, v in model_fields.items()]
-    with _atomic_folder(out_dir) as tmp:
+    with atomic_folder(out_dir) as tmp:
         base = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *overrides])
         data_args, data_note = _data_overrides(hf_path, tmp, out_dir, base.data.val_fraction)
         config = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *data_args, *overrides])
@@ -204,7 +206,7 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
             model.load_state_dict(state)
         except RuntimeError as e:
             raise UserError(f"{hf_path / WEIGHTS_FILE}: {str(e).splitlines()[-1].strip()}") from None
-        optimizer = _fresh_optimizer_state(model, config)
+        optimizer = fresh_optimizer_state(model, config)
         runtime = init_runtime(ParallelConfig(), SyncConfig())
         state = trainer_state(0, 0, config.model.block_size, runtime.world_size)
         save_checkpoint(tmp, 0, TrainingState(model, optimizer, SyncStrategy()), state, config, runtime)
@@ -215,7 +217,7 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
     )
 
 
-def _fresh_optimizer_state(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
+def fresh_optimizer_state(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
     """The configured optimizer with its state tensors created (DCP saves and loads them by name) and its
     step counters at 0, so the first fine-tuning step is the optimizer's first (AdamW's bias correction)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

@@ -77,6 +77,17 @@ def validate(config: Config) -> None:
         raise UserError(f"parallel.dp = {config.parallel.dp} must be a positive degree or -1 (all ranks)")
     check_model_parallel(config)
     check_sharding(config)
+    check_compression(config)
+
+
+def check_compression(config: Config) -> None:
+    """QAT and FP8 swap the blocks' linear layers; the swapped layers are not tensor-parallel here."""
+    for name, on in (("train.qat", config.train.qat != "none"), ("precision.float8", config.precision.float8)):
+        if on and config.parallel.tp > 1:
+            raise UserError(
+                f"{name} with parallel.tp = {config.parallel.tp}: paralm runs it without tensor parallelism; "
+                "set parallel.tp = 1"
+            )
 
 
 def _each(values: dict[str, float], holds: Callable[[float], bool], requirement: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paralm.compress.quantized_run import is_quantized, load_quantized
 from paralm.config import CONFIG_FILE, Config
 from paralm.data.prepare import dataset_dir
 from paralm.errors import UserError
@@ -37,6 +38,12 @@ def load_trained_model(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist: pass the run.dir of a training run")
+    if is_quantized(run_dir):  # `paralm quantize`'s folder: one model, no checkpoints
+        if checkpoint:
+            raise UserError(f"{run_dir} is a quantized run without checkpoints: leave out --checkpoint")
+        device = select_device(0)
+        config, model = load_quantized(run_dir, overrides, device)
+        return TrainedModel(config, model, run_dir, dataset_dir(config.data), device)
     path = resolve_checkpoint(checkpoint) if checkpoint else latest_checkpoint(run_dir)
     if path is None:
         raise UserError(f"{run_dir} has no complete checkpoint yet: train it first (paralm train --run.dir={run_dir})")

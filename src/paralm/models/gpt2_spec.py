@@ -25,7 +25,7 @@ from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT, TIED
 from paralm.models.moe import moe_shape
 from paralm.models.shape import ModelShape
-from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
+from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
@@ -206,5 +206,9 @@ SPEC = ModelSpec(
         to_hf=to_hf,
         from_hf=from_hf,
         related=(),
+    ),
+    branches=(
+        Branch("attn", ("wq", "wk", "wv"), "wo", lambda c: c.n_head),
+        Branch("mlp", ("fc",), "proj", lambda c: 4 * c.d_model),
     ),
 )

@@ -24,7 +24,7 @@ from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
 from paralm.models.moe import moe_shape
 from paralm.models.shape import ModelShape
-from paralm.models.spec import HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
+from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
@@ -234,5 +234,9 @@ SPEC = ModelSpec(
         to_hf=to_hf,
         from_hf=from_hf,
         related=("mistral", "qwen2", "mixtral"),
+    ),
+    branches=(
+        Branch("attention", ("wq", "wk", "wv"), "wo", kv_heads),  # a key/value head with the query heads it serves
+        Branch("feed_forward", ("w1", "w3"), "w2", ffn_hidden),
     ),
 )

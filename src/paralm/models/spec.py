@@ -44,6 +44,19 @@ class ShardedRegion:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """One residual branch of every block, as pruning and quantization see it: the `inputs` (linear
+    layers inside `module`) each produce `units(config)` units (heads, groups of heads sharing a key/value
+    head, MLP channels), each a contiguous, equal slice of their output rows; the `output` layer reads the
+    same units as contiguous, equal slices of its input columns."""
+
+    module: str
+    inputs: tuple[str, ...]
+    output: str
+    units: Callable[[ModelConfig], int]
+
+
+@dataclass(frozen=True)
 class HFMapping:
     """The family as a Hugging Face `transformers` architecture, both ways.
 
@@ -82,6 +95,8 @@ class ModelSpec:
     # embedding's); `tied_parameters` says which pairs a built model does tie
     tied: Mapping[str, str]
     hf: HFMapping
+    # each block's residual branches, whose linear layers compression prunes and quantizes
+    branches: tuple[Branch, ...]
 
 
 def tied_parameters(model: nn.Module, spec: ModelSpec) -> dict[str, str]:

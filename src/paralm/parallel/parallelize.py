@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
+from paralm.compress.float8 import apply_float8
+from paralm.compress.qat import apply_qat
 from paralm.config import CommConfig, Config, SyncConfig
 from paralm.models.moe import take_statistics, update_balance
 from paralm.models.registry import model_spec
@@ -147,6 +149,9 @@ def parallelize_stage(
 ) -> nn.Module:
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     dims, spec = runtime.dims, model_spec(config.model)
+    apply_qat(model, spec, config.train.qat)  # module swaps first: every strategy then sees the new layers
+    if config.precision.float8:
+        apply_float8(model, spec, runtime.device)
     if dims.tp_enabled:
         apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel, config.model.dropout > 0)
     if dims.cp_enabled:

@@ -270,12 +270,7 @@ def load_checkpoint(
         state = ModelState(state)
     progress = read_trainer_state(path)
     reader = SafeFileSystemReader(path)
-    try:
-        saved = reader.read_metadata().state_dict_metadata  # fail here with one line, not one per rank
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError) as e:
-        raise UserError(
-            f"checkpoint metadata {path / '.metadata'} cannot be read ({e}): use another checkpoint"
-        ) from None
+    saved = saved_entries(path, reader)
     if isinstance(state, TrainingState):
         state.sync.before_load(saved)
     target = state.state_dict()  # DCP loads into these tensors
@@ -293,6 +288,17 @@ def load_checkpoint(
     target.get("optim", {}).update(hyperparameters)
     state.load_state_dict(target)
     return progress
+
+
+def saved_entries(path: Path, reader: SafeFileSystemReader | None = None) -> dict[str, Any]:
+    """The checkpoint's entries (DCP's flat names and metadata), read through the allow-list unpickler;
+    one line when they cannot be read, not one per rank."""
+    try:
+        return (reader or SafeFileSystemReader(path)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError) as e:
+        raise UserError(
+            f"checkpoint metadata {path / '.metadata'} cannot be read ({e}): use another checkpoint"
+        ) from None
 
 
 def _set_aside_hyperparameters(target: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
+from paralm.compress.masks import MaskedState, Masks, saved_masks
 from paralm.config import Config
 from paralm.data.mixture import MixedData
 from paralm.data.prepare import data_sources, dataset_dir
@@ -53,6 +54,9 @@ class StepEngine:
         self.shape = model_shape(config.model)
         self.plan = parallelize(self.model, runtime, config)
         self.module = self.plan.module
+        self.resume_from = checkpoint_to_resume(config)
+        pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
+        self.masks = Masks(self.plan.model, pruned) if pruned else None
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
 
@@ -61,10 +65,15 @@ class StepEngine:
         """The samples this job computes per step: the global batch, less the other replica groups' shares."""
         return self.layout.global_batch // self.config.sync.replica_groups
 
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Stateful:
+        """The plan's model, optimizer and strategy state, with the pruning masks where the run has them."""
+        state = self.plan.checkpoint_state(optimizer)
+        return MaskedState(state, self.masks) if self.masks else state
+
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that
         step together); returns its trainer state, or None when the run starts fresh."""
-        path = checkpoint_to_resume(self.config)
+        path = self.resume_from
         return None if path is None else load_checkpoint(path, state, self.runtime.group)
 
     def micro_batches(self, start: int = 0) -> Batches:

@@ -31,7 +31,7 @@ class LoopCheckpoints:
 
     def restore(self) -> tuple[int, int]:
         """(step, samples seen) to start from: the resumed checkpoint's, or (0, 0) on a fresh run."""
-        state = self.engine.resume(self.engine.plan.checkpoint_state(self.optimizer))
+        state = self.engine.resume(self.engine.checkpoint_state(self.optimizer))
         if state is None:
             return 0, 0
         self.engine.scaler.load_state_dict(state.get("loss_scaler", {}))
@@ -54,7 +54,7 @@ class LoopCheckpoints:
         path = self.checkpointer.save(
             self.run_dir,
             step,
-            self.engine.plan.checkpoint_state(self.optimizer),
+            self.engine.checkpoint_state(self.optimizer),
             state,
             self.config,
             keep=self.config.checkpoint.keep,

@@ -160,6 +160,8 @@ class Trainer:
         routing = engine.plan.routing_step(skipped)  # MoE: the step's balance, and loss-free balancing
         self.optimizer.zero_grad(set_to_none=True)
         engine.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
+        if engine.masks:  # pruned weights stay zero
+            engine.masks.apply()
         self.samples_seen += engine.layout.global_batch
         if self.logger and scaling.get("overflow"):
             self.logger.message(
