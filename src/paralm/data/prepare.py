@@ -33,6 +33,7 @@ from paralm.data.tokenize_pool import Encoded, Encoding, encode_stream
 from paralm.data.tokenizer import BPE_FILE, SPECIALS_FILE, BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
+from paralm.parallel.lifeline import process_alive
 
 
 def write_dataset(
@@ -109,17 +110,8 @@ def _remove_abandoned(out: Path) -> None:
     """Temporary folders an interrupted prepare of `out` left behind (its process is gone)."""
     for tmp in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
         pid = tmp.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

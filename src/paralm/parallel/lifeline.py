@@ -41,7 +41,7 @@ def die_with_parent(kernel: bool = True) -> None:
     if not (kernel and _ask_kernel()):
         threading.Thread(target=_watch, args=(parent,), name="paralm-lifeline", daemon=True).start()
     launcher = os.environ.get(PARENT_ENV, "")
-    if os.getppid() != parent or (launcher.isdigit() and not _alive(int(launcher))):
+    if os.getppid() != parent or (launcher.isdigit() and not process_alive(int(launcher))):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -63,7 +63,8 @@ def _watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (signal 0 checks without sending)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
