@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from paralm.config import Config, parse_overrides
+from paralm.config import Config
+from paralm.config_source import parse_overrides
 from paralm.errors import UserError
 from paralm.load_config import load_config
 

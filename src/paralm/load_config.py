@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paralm.config import Config, parse_overrides, read_toml
+from paralm.config import Config
+from paralm.config_source import parse_overrides, read_toml
 from paralm.rules import validate
 
 

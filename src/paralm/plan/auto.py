@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from paralm.config import Config, parse_overrides, read_toml
+from paralm.config import Config
+from paralm.config_source import parse_overrides, read_toml
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
 from paralm.load_config import load_config

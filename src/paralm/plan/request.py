@@ -16,7 +16,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config, parse_overrides, read_toml
+from paralm.config import Config
+from paralm.config_source import parse_overrides, read_toml
 from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.pipeline_schedules import fewest_stages_per_rank

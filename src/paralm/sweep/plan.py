@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config, parse_overrides
+from paralm.config import Config
+from paralm.config_source import parse_overrides
 from paralm.errors import UserError
 from paralm.load_config import load_config
 from paralm.parallel.dims import ParallelDims

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paralm.config import CONFIG_FILE, Config, ModelConfig, read_toml
+from paralm.config import CONFIG_FILE, Config, ModelConfig
+from paralm.config_source import read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.sync import TrainingState
