@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from paralm.errors import USER_ERROR_EXIT_CODE, Interrupted, UserError, to_launcher
+from paralm.errors import USER_ERROR_EXIT_CODE, Interrupted, UserError, refuse_overrides, to_launcher
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -62,7 +62,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     check_task_options(args)
     if args.tasks is not None:
-        _no_overrides("eval --tasks", overrides)
+        refuse_overrides("eval --tasks", overrides)
         return run_tasks(args)
     result = evaluate_run(args.run, checkpoint=args.checkpoint, overrides=overrides, heldout=args.heldout)
     print(
@@ -89,29 +89,10 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _data_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.data.prepare import prepare_dataset
-    from paralm.data.sources import TextFields
-
-    _no_overrides("data prepare", overrides)
-    summary = prepare_dataset(
-        inputs=args.input,
-        out=args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
-        fields=TextFields(args.text_field, args.text_column),
-        workers=args.workers,
-        dedup=args.dedup,
-    )
-    print(summary)
-    return 0
-
-
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.export import export_run
 
-    _no_overrides("export", overrides)
+    refuse_overrides("export", overrides)
     print(export_run(args.run, args.out, checkpoint=args.checkpoint))
     return 0
 
@@ -128,7 +109,7 @@ def _verify(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from paralm.evidence.verify import echo_err, table, verify
 
-    _no_overrides("verify", overrides)
+    refuse_overrides("verify", overrides)
     if args.nproc < 2:
         raise UserError(f"--nproc {args.nproc}: verify compares layouts of at least 2 ranks with one process")
     only = [word.strip() for word in (args.only or "").split(",") if word.strip()]
@@ -150,11 +131,6 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     print(summary_table(summary))
     print(f"wrote {Path(args.out) / 'report.html'} and {Path(args.out) / 'summary.json'}")
     return 0
-
-
-def _no_overrides(verb: str, overrides: list[str]) -> None:
-    if overrides:
-        raise UserError(f"`paralm {verb}` takes no config overrides, got {' '.join(overrides)}")
 
 
 def _config_args(args: argparse.Namespace) -> list[str]:
@@ -301,21 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     comparison.add_argument("--out", required=True, help="folder for report.html, summary.json and the runs")
     comparison.set_defaults(func=_compare)
 
-    data = verbs.add_parser("data", help="prepare token shards from text")
-    data_verbs = data.add_subparsers(dest="data_verb", required=True, metavar="VERB")
-    prepare = data_verbs.add_parser("prepare", help="tokenize text files into memory-mapped shards")
-    prepare.add_argument(
-        "--input", nargs="+", required=True, help="text, JSONL or Parquet files, save_to_disk folders, folders or globs"
-    )
-    prepare.add_argument("--out", required=True, help="output directory")
-    prepare.add_argument("--tokenizer", default="byte", help="byte, bpe (trained here), or a tokenizer.json / folder")
-    prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
-    prepare.add_argument("--val-fraction", type=float, default=0.1)
-    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    prepare.add_argument("--text-column", default="text", help="Parquet / saved-dataset column holding the text")
-    prepare.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="tokenizer processes")
-    prepare.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
-    prepare.set_defaults(func=_data_prepare)
+    from paralm.data.cli import add_data_verb
+
+    add_data_verb(verbs)
     from paralm.plan.cli import add_plan_verbs
 
     add_plan_verbs(verbs)

@@ -50,3 +50,9 @@ def to_launcher(message: str) -> bool:
     with open(error_file, "w") as f:
         json.dump({"message": message, "timestamp": int(failed_at), FAILED_AT_FIELD: failed_at}, f)
     return True
+
+
+def refuse_overrides(verb: str, overrides: list[str]) -> None:
+    """A verb that reads no config: leftover `--section.field=value` arguments are a mistake, said in one line."""
+    if overrides:
+        raise UserError(f"`paralm {verb}` takes no config overrides, got {' '.join(overrides)}")

@@ -5,24 +5,21 @@ from __future__ import annotations
 import argparse
 
 from paralm.compress.schemes import SCHEMES
+from paralm.errors import refuse_overrides
 
 
 def _quantize(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.compress.quantize import quantize_run
-    from paralm.errors import UserError
 
-    if overrides:
-        raise UserError(f"`paralm quantize` takes no config overrides, got {' '.join(overrides)}")
+    refuse_overrides("quantize", overrides)
     print(quantize_run(args.run, args.scheme, args.out, args.checkpoint))
     return 0
 
 
 def _prune(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.compress.prune import prune_run
-    from paralm.errors import UserError
 
-    if overrides:
-        raise UserError(f"`paralm prune` takes no config overrides, got {' '.join(overrides)}")
+    refuse_overrides("prune", overrides)
     print(prune_run(args.run, args.sparsity, args.method, args.out, args.checkpoint))
     return 0
 
