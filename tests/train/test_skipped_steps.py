@@ -95,13 +95,14 @@ def _skip_one(config, step: int, rank: int, factor: float) -> dict:
     trainer, seen = Trainer(config, runtime), {}
     train_step = trainer.train_step
 
-    def recorded():
+    def recorded() -> bool:
         if trainer.step != step:
             return train_step()
         seen["before"] = _state(trainer)
         with host_reads() as reads:
-            train_step()
+            done = train_step()
         seen["after"], seen["reads"] = _state(trainer), reads
+        return done
 
     trainer.train_step = recorded
     trainer.fit()
