@@ -3,7 +3,9 @@
 Each group is an ordinary `paralm train [--nproc N]` job with `sync.fault_tolerant` on and a run
 folder of its own (`<run.dir>/group-<g>`). A group that fails is started again (up to
 `--max-restarts` times per group) while the others train on; the new one finds them ahead and heals
-from one of them (`paralm.parallel.fault_tolerant`). On a cluster the same is done with one command per
+from one of them (`paralm.parallel.fault_tolerant`). One that fails beyond that is left out, and the
+others finish without it (the job stops only when fewer than `sync.ft_min_groups` would remain, or on
+a configuration error). On a cluster the same is done with one command per
 group and torchft's `torchft_lighthouse` (README, Fault tolerance).
 """
 
@@ -34,14 +36,14 @@ def group_dir(run_dir: str | Path, group: int) -> Path:
 def launch_replica_groups(
     groups: int, nproc: int, paralm_args: list[str], run_dir: str, min_groups: int, max_restarts: int
 ) -> int:
-    """Run the groups to the end; returns 0, or the exit code of a group that failed more often than allowed."""
+    """Run the groups to the end; returns 0, or the exit code of a group whose failure stopped the job."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=JOIN_TIMEOUT_MS)
     env = os.environ | {LIGHTHOUSE_ENV: lighthouse.address(), PARENT_ENV: str(os.getpid())}
     group = _GroupStarter(groups, nproc, paralm_args, run_dir, env)
     running = {g: group.start(g) for g in range(groups)}
-    restarts = dict.fromkeys(running, 0)
+    restarts, lost = dict.fromkeys(running, 0), []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while running:
@@ -53,9 +55,18 @@ def launch_replica_groups(
                 del running[g]
                 if code == 0:
                     continue
-                if code == USER_ERROR_EXIT_CODE or restarts[g] >= max_restarts:
+                if code == USER_ERROR_EXIT_CODE or len(running) < min_groups:
                     print(f"paralm: replica group {g} exited with code {code}; stopping the others", file=sys.stderr)
                     return code
+                if restarts[g] >= max_restarts:  # lost for good: the others train on without it
+                    lost.append(g)
+                    print(
+                        f"paralm: replica group {g} exited with code {code} and is not started again "
+                        f"(--max-restarts {max_restarts}); the other groups train on",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    continue
                 restarts[g] += 1
                 print(
                     f"paralm: replica group {g} exited with code {code}; starting it again ({restarts[g]} of "
@@ -64,6 +75,9 @@ def launch_replica_groups(
                     flush=True,
                 )
                 running[g] = group.start(g)
+        if lost:
+            left = ", ".join(map(str, lost))
+            print(f"paralm: replica group(s) {left} left the job; the others finished", file=sys.stderr)
         return 0
     except KeyboardInterrupt:
         return 130
