@@ -44,6 +44,8 @@ def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int =
     try:
         run(launcher_args)
     except SignalException as e:  # the agent forwarded it to the workers and waited for them
+        for stop in (signal.SIGINT, signal.SIGTERM):  # a second one (a terminal signals the whole group) must
+            signal.signal(stop, signal.SIG_IGN)  # not raise while this process exits, with a traceback
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         return _report_failure(e)
