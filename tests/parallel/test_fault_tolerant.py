@@ -80,9 +80,9 @@ def _pid_of_group(run_dir: Path) -> int:
 
 
 def _kill_group_1(run: Path, job: subprocess.Popen, after: int) -> str:
-    """SIGKILL group 1 once it has logged `after` steps; the launcher's output when the job ends."""
+    """SIGKILL group 1 once it has logged 2 steps and group 0 `after`; the launcher's output at the end."""
     victim, deadline = run / "group-1", time.monotonic() + 300
-    while len(_rows(victim)) < after:
+    while len(_rows(victim)) < 2 or len(_rows(run / "group-0")) < after:
         assert job.poll() is None and time.monotonic() < deadline, f"group 1 never reached step {after}"
         time.sleep(0.1)
     os.kill(_pid_of_group(victim), signal.SIGKILL)
@@ -97,7 +97,7 @@ def _survivors_ran_every_step_once(run: Path, total: int) -> list[list[dict]]:
     return survivors
 
 
-TOTAL = 16
+TOTAL = 24
 STEPS = [f"--train.steps={TOTAL}", f"--train.eval_every={TOTAL}"]
 
 
@@ -106,7 +106,7 @@ def test_lost_group_leaves_and_the_others_train_on(tmp_path):
     every step once, from then on as two groups, finish with the same weights, and the final loss stays
     within 2% of an undisturbed run's (the lost group's shares of the later batches are not read)."""
     run = tmp_path / "ft"
-    output = _kill_group_1(run, _train(run, *STEPS, "--replicas", "3"), after=4)
+    output = _kill_group_1(run, _train(run, *STEPS, "--replicas", "3", "--sync.ft_min_groups=2"), after=4)
     assert "replica group 1 exited with code -9 and is not started again" in output
     survivors = _survivors_ran_every_step_once(run, TOTAL)
     for rows in survivors:
@@ -121,7 +121,8 @@ def test_killed_group_is_restarted_and_heals(tmp_path):
     are never restarted and run every step once; group 1 heals from a peer (it skips the steps it
     missed) and ends with the same validation loss as they do."""
     run = tmp_path / "ft"
-    output = _kill_group_1(run, _train(run, *STEPS, "--replicas", "3", "--max-restarts", "1"), after=4)
+    restart = ("--max-restarts", "1", "--sync.ft_min_groups=3")  # all three start together
+    output = _kill_group_1(run, _train(run, *STEPS, "--replicas", "3", *restart), after=4)
     assert "replica group 1 exited with code -9; starting it again" in output
     assert "replica group 0 exited" not in output and "replica group 2 exited" not in output
     survivors = _survivors_ran_every_step_once(run, TOTAL)

@@ -55,11 +55,18 @@ def launch_replica_groups(
                 del running[g]
                 if code == 0:
                     continue
-                if code == USER_ERROR_EXIT_CODE or len(running) < min_groups:
+                if code == USER_ERROR_EXIT_CODE:
                     print(f"paralm: replica group {g} exited with code {code}; stopping the others", file=sys.stderr)
                     return code
-                if restarts[g] >= max_restarts:  # lost for good: the others train on without it
+                if restarts[g] >= max_restarts or not running:  # lost for good (or the others are done)
                     lost.append(g)
+                    if running and len(running) < min_groups:
+                        print(
+                            f"paralm: replica group {g} exited with code {code}; fewer than sync.ft_min_groups = "
+                            f"{min_groups} remain, stopping the others",
+                            file=sys.stderr,
+                        )
+                        return code
                     print(
                         f"paralm: replica group {g} exited with code {code} and is not started again "
                         f"(--max-restarts {max_restarts}); the other groups train on",
