@@ -6,7 +6,7 @@ validation loss against sparsity, with and without a fine-tune of the pruned mod
         [--methods magnitude structured] [--families gpt2 llama] [--n-layer 2] [--d-model 64]
         [--new-tokens 64] [--rounds 7] [--eval-samples 64] [--plot compress.png] [--threads 2]
 
-Each family trains `--steps` steps from its tiny config (shrunk by the shape flags), then: the int8
+Each family trains `--steps` steps from its tiny config (shrunk by the shape flags), then: the CPU
 schemes through `paralm quantize`; each method and sparsity through `paralm prune`, evaluated as
 pruned and after `--finetune-steps` steps of `paralm train` (masks kept), beside the unpruned model
 trained as many steps more. File size is the model's
@@ -45,7 +45,7 @@ CONFIGS = {
     family: str(Path(__file__).parents[1] / "configs" / name)
     for family, name in (("gpt2", "tiny.toml"), ("llama", "llama-tiny.toml"))
 }
-SCHEMES = ("int8-weight", "int8-dynamic")
+SCHEMES = ("int8-weight", "int8-dynamic", "int8-dynamic-int4-weight")
 
 
 def fp32_size(run: Path, work: Path) -> int:

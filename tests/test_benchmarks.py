@@ -51,6 +51,10 @@ ARGS = {
         "--d-model",
         "32",
     ],
+    "qat.py": [
+        *("--families", "gpt2", "--schemes", "int8-dynamic-int4-weight", "--seeds", "1"),
+        *("--steps", "2", "--finetune-steps", "1", "--n-layer", "1", "--d-model", "32", "--eval-samples", "8"),
+    ],
     "gpu_check.py": [],  # its CPU run is already the short one: 3 steps per row, tiny shapes (~2 min on 2 cores)
     "generate_cache.py": [
         "--new-tokens",

@@ -72,7 +72,9 @@ class TrainConfig:
         False, "torch.compile each transformer block (pays back its start-up time on GPUs; measure on CPUs)"
     )
     qat: str = option(
-        "none", "quantization-aware training: fake-quantize as this scheme will", ("none", "int8-dynamic")
+        "none",
+        "quantization-aware training: fake-quantize as this `paralm quantize` scheme will",
+        ("none", "int8-dynamic", "int8-dynamic-int4-weight"),
     )
     max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
 

@@ -1,10 +1,13 @@
-"""`paralm quantize`: torchao's int8 schemes on the blocks' linear layers, a folder eval and generate load.
+"""`paralm quantize`: torchao's CPU schemes on the blocks' linear layers, a folder eval and generate load.
 
 Stated errors, relative to the largest logit of the unquantized model (a trained tiny model with
-matrices widened to N(0, 0.1), so logits are far from uniform): int8 weight-only (per output channel)
-within 2 %, int8 dynamic (activations per token as well) within 3 %; measured about 3-4 times lower.
+matrices redrawn from N(0, 0.1), so logits are far from uniform): int8 weight-only (per output channel)
+within 2.5 %, int8 dynamic (activations per token as well) within 3 %, int4 weights (groups of 64, one
+per row here) with int8 dynamic activations within 45 %: 16 levels per group. Measured with seeds 0-4:
+1.7-2.0 %, 2.0-2.5 % and 26-29 %.
 The folder's model must reproduce the quantized model in memory exactly (the saved int8 data and
-scales are the ones computed), hold int8 weights, and be smaller than the run's checkpoint.
+scales are the ones computed), hold int8 weights (int4 values kept one per byte), and be smaller than
+the run's checkpoint.
 """
 
 import pytest
@@ -24,7 +27,7 @@ from paralm.train.checkpoint import latest_checkpoint
 from paralm.train.trainer import train
 from tests.helpers import tiny_config, widened
 
-ERROR = {"int8-weight": 0.02, "int8-dynamic": 0.03}
+ERROR = {"int8-weight": 0.025, "int8-dynamic": 0.03, "int8-dynamic-int4-weight": 0.45}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,7 @@ def base(tmp_path_factory):
 def test_quantized_logits_within_the_schemes_error(base, tmp_path, scheme):
     run = load_trained_model(base.run.dir)
     spec = model_spec(base.model)
+    torch.manual_seed(0)
     widened(run.model)
     x = torch.randint(0, base.model.vocab_size, (2, 32))
     with torch.no_grad():

@@ -10,7 +10,9 @@ from torch import nn
 
 from paralm.errors import UserError
 
-SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
+# int8-dynamic-int4-weight is torchao's "8da4w" (ExecuTorch's CPU scheme): int4 weights in groups, int8
+# activations per token; on CPU it dequantizes the weights into a float matmul.
+SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight", "int8-dynamic-int4-weight")
 
 
 @contextmanager
@@ -43,12 +45,12 @@ def check_scheme(scheme: str, device: torch.device) -> None:
 
 
 def _group_size(model: nn.Module, names: list[str]) -> int:
-    """int4's quantization group: the largest of 128, 64, 32 that divides every layer's input width."""
+    """The int4 schemes' quantization group: the largest of 128, 64, 32 that divides every layer's input width."""
     widths = {model.get_submodule(name).in_features for name in names}
     for size in (128, 64, 32):
         if all(width % size == 0 for width in widths):
             return size
-    raise UserError(f"int4-weight needs input widths divisible by 32; the model has {sorted(widths)}")
+    raise UserError(f"int4 weights need input widths divisible by 32; the model has {sorted(widths)}")
 
 
 def torchao_config(scheme: str, model: nn.Module, names: list[str]):
@@ -57,7 +59,9 @@ def torchao_config(scheme: str, model: nn.Module, names: list[str]):
         from torchao.quantization import (
             Int4WeightOnlyConfig,
             Int8DynamicActivationInt8WeightConfig,
+            Int8DynamicActivationIntxWeightConfig,
             Int8WeightOnlyConfig,
+            PerGroup,
         )
         from torchao.quantization.quant_primitives import MappingType
 
@@ -65,6 +69,9 @@ def torchao_config(scheme: str, model: nn.Module, names: list[str]):
         return Int8WeightOnlyConfig()  # per output channel
     if scheme == "int8-dynamic":  # per-token asymmetric activations (as QAT fakes them), per-channel weights
         return Int8DynamicActivationInt8WeightConfig(act_mapping_type=MappingType.ASYMMETRIC)
+    if scheme == "int8-dynamic-int4-weight":  # symmetric int4 weights per group, asymmetric int8 per token
+        group = PerGroup(_group_size(model, names))
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group)
     return Int4WeightOnlyConfig(group_size=_group_size(model, names), int4_packing_format="tile_packed_to_4d")
 
 
