@@ -104,3 +104,11 @@ def test_bad_requests_are_one_line_errors_and_write_nothing(base, tmp_path):
     with pytest.raises(UserError, match="cannot be exported"):
         export_run(str(quantized), str(out))
     assert not out.exists()
+
+
+def test_int4_weights_need_input_widths_divisible_by_32(tmp_path):
+    config = tiny_config(tmp_path, model={"d_model": 48})
+    spec = model_spec(config.model)
+    model = spec.build(config.model)
+    with pytest.raises(UserError, match="groups of 32, 64 or 128 inputs.*take \\[48, 192\\]"):
+        quantize_layers(model, "int8-dynamic-int4-weight", linear_names(model, spec))

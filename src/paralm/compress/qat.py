@@ -19,6 +19,7 @@ from paralm.compress.layers import linear_names
 from paralm.compress.schemes import quiet_torchao, torchao_config
 from paralm.models.spec import ModelSpec
 
+
 def apply_qat(model: nn.Module, spec: ModelSpec, scheme: str) -> None:
     """Swap the blocks' linear layers of `model` (any device, meta included) for fake-quantized ones."""
     if scheme == "none":

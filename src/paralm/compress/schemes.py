@@ -50,7 +50,10 @@ def _group_size(model: nn.Module, names: list[str]) -> int:
     for size in (128, 64, 32):
         if all(width % size == 0 for width in widths):
             return size
-    raise UserError(f"int4 weights need input widths divisible by 32; the model has {sorted(widths)}")
+    raise UserError(
+        f"int4 weights are quantized in groups of 32, 64 or 128 inputs, but this model's linear layers take "
+        f"{sorted(widths)}: use a model.d_model (and MLP width) divisible by 32"
+    )
 
 
 def torchao_config(scheme: str, model: nn.Module, names: list[str]):
