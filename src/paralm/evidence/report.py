@@ -28,12 +28,17 @@ def _figure_png(draw) -> str:
 
 def _lines(histories: dict[str, list[dict]], x_of, title: str, xlabel: str, key: str = "loss", ylabel: str = ""):
     def draw(ax) -> None:
+        drawn = False
         for name, rows in histories.items():
             xs = x_of(rows)
             if xs is not None and all(key in r for r in rows):
                 ax.plot(xs, [r[key] for r in rows], marker="o", markersize=3, label=name)
+                drawn = True
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel or "training loss")
-        ax.legend(fontsize=8)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:  # e.g. bytes, counted only with log.comm_bytes: say so rather than draw empty axes
+            ax.text(0.5, 0.5, f"{ABSENT} in every run", transform=ax.transAxes, ha="center", va="center")
 
     return draw
 
