@@ -19,6 +19,12 @@ from paralm.hardware import cpu_flags, cpu_name
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
 
+# Each family's tiny config, for the scripts that measure every family.
+TINY_CONFIGS = {
+    family: str(Path(__file__).parents[1] / "configs" / name)
+    for family, name in (("gpt2", "tiny.toml"), ("llama", "llama-tiny.toml"))
+}
+
 
 def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: int = 2) -> dict[str, float]:
     """Median per-step metrics of a fresh `paralm train` run, skipping its first `warmup_steps` steps."""

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, print_table
+from common import TINY_CONFIGS, machine, print_table
 
 from paralm.compress.prune import prune_run
 from paralm.compress.quantize import quantize_run
@@ -41,10 +41,6 @@ from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint
 from paralm.train.trainer import train
 
-CONFIGS = {
-    family: str(Path(__file__).parents[1] / "configs" / name)
-    for family, name in (("gpt2", "tiny.toml"), ("llama", "llama-tiny.toml"))
-}
 SCHEMES = ("int8-weight", "int8-dynamic", "int8-dynamic-int4-weight")
 
 
@@ -100,13 +96,13 @@ def shape_overrides(args: argparse.Namespace, steps: int, run: Path) -> list[str
 
 def family_rows(family: str, args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
     base = work / family
-    train(load_config(CONFIGS[family], shape_overrides(args, args.steps, base)))
+    train(load_config(TINY_CONFIGS[family], shape_overrides(args, args.steps, base)))
     size = fp32_size(base, work)
     reference = measure(latest_checkpoint(base), args, size)
     rows = [{"family": family, "what": "uncompressed", **reference}]
     more = work / f"{family}-more"  # the fair reference for a fine-tune: the same steps on the unpruned model
     shutil.copytree(base, more)
-    train(load_config(CONFIGS[family], shape_overrides(args, args.steps + args.finetune_steps, more)))
+    train(load_config(TINY_CONFIGS[family], shape_overrides(args, args.steps + args.finetune_steps, more)))
     longer = measure(latest_checkpoint(more), args, size)
     rows.append({"family": family, "what": f"uncompressed + {args.finetune_steps} steps", **longer})
     for scheme in SCHEMES:
@@ -166,7 +162,7 @@ def main() -> None:
     parser.add_argument("--finetune-steps", type=int, default=50)
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--methods", nargs="+", default=["magnitude", "structured"])
-    parser.add_argument("--families", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--families", nargs="+", default=list(TINY_CONFIGS))
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)

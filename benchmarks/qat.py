@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import machine, print_table
+from common import TINY_CONFIGS, machine, print_table
 
 from paralm.compress.quantize import quantize_run
 from paralm.evaluate import evaluate_run
@@ -31,10 +31,6 @@ from paralm.train.trainer import train
 
 # Below this cost the share won back says nothing: two fine-tunes of these models differ by about as much.
 NOISE = 0.005
-CONFIGS = {
-    family: str(Path(__file__).parents[1] / "configs" / name)
-    for family, name in (("gpt2", "tiny.toml"), ("llama", "llama-tiny.toml"))
-}
 
 
 def train_quietly(family: str, args: argparse.Namespace, run: Path, steps: int, seed: int, qat: str) -> None:
@@ -54,7 +50,7 @@ def train_quietly(family: str, args: argparse.Namespace, run: Path, steps: int, 
     if family == "llama":  # SwiGLU's width at the shipped ratio (352 for 128), a multiple of int4's group of 32
         overrides.append(f"--model.ffn_hidden={32 * round(args.d_model * 11 / 128)}")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        train(load_config(CONFIGS[family], overrides))
+        train(load_config(TINY_CONFIGS[family], overrides))
 
 
 def val_loss(run: Path, args: argparse.Namespace) -> float:
@@ -85,7 +81,7 @@ def seed_rows(family: str, seed: int, args: argparse.Namespace, work: Path) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--families", nargs="+", default=list(TINY_CONFIGS))
     parser.add_argument("--schemes", nargs="+", default=["int8-dynamic", "int8-dynamic-int4-weight"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=1000)

@@ -32,12 +32,14 @@ from tests.helpers import tiny_config
 
 TRAINED_ERROR = 0.005
 INT4 = "int8-dynamic-int4-weight"
+LLAMA = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 128, "bias": False}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int8-dynamic", INT4])
-def test_qat_trains_the_forward_that_the_scheme_deploys(tmp_path, scheme):
-    config = tiny_config(tmp_path / "qat", train={"steps": 30, "qat": scheme}, model={"d_model": 64})
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_qat_trains_the_forward_that_the_scheme_deploys(tmp_path, scheme, family):
+    config = tiny_config(tmp_path / "qat", train={"steps": 30, "qat": scheme}, model={"d_model": 64, **family})
     train(config)
     quantize_run(str(config.run.dir), scheme, str(tmp_path / "q"))
     spec = model_spec(config.model)

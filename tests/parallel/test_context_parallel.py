@@ -24,14 +24,19 @@ from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.context.alltoall import AllToAllAttention
 from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.context.ring import RingAttention
-from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.parallel.runtime import init_runtime
 from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout as PlanLayout
 from paralm.plan.layout import Workload
 from paralm.train.trainer import train
-from tests.helpers import read_metrics, runtime_for, tiny_config
+from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
-from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, one_step, train_on
+from tests.parallel.model_parallel import (
+    assert_gradients_match,
+    assert_runs_match,
+    gradients_then_training,
+    one_step,
+)
 
 LLAMA = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 48}
 GPT2 = {"n_head": 4}
@@ -108,17 +113,6 @@ def _config(path, model, parallel=None, train_fields=None):
     return dataclasses.replace(config, train=dataclasses.replace(config.train, **(train_fields or {})))
 
 
-def _steps_then_training(configs):
-    """One step's loss and gradients, then a run, for each config (all of the same degrees: one mesh)."""
-    runtime = init_runtime(configs[0].parallel, configs[0].sync)
-    results = []
-    for config in configs:
-        results.append(one_step(config, runtime_for(config, runtime)))
-        train_on(config, runtime_for(config, runtime))
-    shutdown(runtime)
-    return results
-
-
 def _assert_equal_to_one_process(tmp_path, ranks, model, variants):
     """Each variant (name, parallel fields, train fields) against one process with the same train fields
     (the same global batch); returns the references by train fields."""
@@ -131,7 +125,7 @@ def _assert_equal_to_one_process(tmp_path, ranks, model, variants):
             train(reference)
             references[key] = (reference, loss, grads)
     configs = [_config(tmp_path / name, model, parallel, fields) for name, parallel, fields in variants]
-    per_rank = run_ranks(_steps_then_training, ranks, tmp_path, configs)
+    per_rank = run_ranks(gradients_then_training, ranks, tmp_path, configs)
     for i, (config, (_, _, train_fields)) in enumerate(zip(configs, variants, strict=True)):
         reference, loss, grads = references[tuple(sorted(train_fields.items()))]
         for results in per_rank:
