@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from paralm.config import Config
-from paralm.config_source import parse_overrides
+from paralm.config.load import load_config
+from paralm.config.schema import Config
+from paralm.config.source import parse_overrides
 from paralm.errors import UserError
-from paralm.load_config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,20 +16,20 @@ from paralm.errors import USER_ERROR_EXIT_CODE, Interrupted, UserError, refuse_o
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.parallel.lifeline import die_with_parent, running_under_launcher, started_by_launcher
+    from paralm.launch.lifeline import die_with_parent, running_under_launcher, started_by_launcher
 
     if started_by_launcher():  # before the seconds of importing torch: its launcher may die meanwhile
         die_with_parent()
-    from paralm.parallel.launch import launch_local_workers
+    from paralm.job import train
+    from paralm.launch.local import launch_local_workers
     from paralm.plan.auto import train_config
-    from paralm.train.trainer import train
 
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     if args.replicas:
         return _train_replicas(args, overrides)
     config, overrides = train_config(args.config, overrides, world_size)  # parallel.auto: the planner's layout
     if (args.nproc > 1 or args.max_restarts) and not running_under_launcher():
-        from paralm.parallel.dims import ParallelDims
+        from paralm.config.dims import ParallelDims
 
         ParallelDims.from_config(config.parallel, config.sync, args.nproc)  # fail before spawning
         return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides], args.max_restarts)
@@ -39,8 +39,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _train_replicas(args: argparse.Namespace, overrides: list[str]) -> int:
     """`--replicas R`: R fault-tolerant replica groups of `--nproc` ranks each, and their lighthouse."""
-    from paralm.load_config import load_config
-    from paralm.parallel.replica_launch import launch_replica_groups
+    from paralm.config.load import load_config
+    from paralm.launch.replicas import launch_replica_groups
 
     group = ["--sync.fault_tolerant=true", f"--sync.ft_groups={args.replicas}"]
     config = load_config(args.config, [*overrides, *group])  # refuse a bad config before starting anything
@@ -90,7 +90,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.export import export_run
+    from paralm.hf.export import export_run
 
     refuse_overrides("export", overrides)
     print(export_run(args.run, args.out, checkpoint=args.checkpoint))
@@ -98,7 +98,7 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _import(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.export import import_hf
+    from paralm.hf.export import import_hf
 
     print(import_hf(args.hf, args.out, args.config, overrides))
     return 0
@@ -177,7 +177,7 @@ def check_ranges(args: argparse.Namespace) -> None:
 
 def config_fields_help() -> str:
     """Every config field as `--section.field=DEFAULT  help`, grouped by section: what `train --help` ends with."""
-    from paralm.config import Config
+    from paralm.config.schema import Config
 
     lines = ["config fields (set in the TOML file or as --section.field=value):"]
     for section in dataclasses.fields(Config):

@@ -13,16 +13,16 @@ import math
 import pytest
 import torch
 
-from paralm.compress.layers import branch_layers, linear_names
-from paralm.compress.masks import saved_masks
 from paralm.compress.prune import magnitude_masks, prune_run, structured_masks
-from paralm.config import CONFIG_FILE
+from paralm.config.load import load_config
+from paralm.config.schema import CONFIG_FILE
+from paralm.convert.layers import branch_layers, linear_names
 from paralm.errors import UserError
-from paralm.load_config import load_config
+from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint
-from paralm.train.trainer import train
+from paralm.train.masked_state import saved_masks
 from tests.helpers import tiny_config, widened
 from tests.multiprocess import run_ranks
 

@@ -11,9 +11,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from paralm.cli import main
 from paralm.data.prepare import prepare_dataset
-from paralm.export import export_run
+from paralm.hf.export import export_run
+from paralm.job import train
 from paralm.lmeval.run import paralm_lm
-from paralm.train.trainer import train
 from tests.helpers import tiny_config
 
 TOPICS = sorted(__import__("pydoc_data.topics", fromlist=["topics"]).topics.items())

@@ -3,7 +3,7 @@
 import pytest
 
 from paralm.cli import main
-from paralm.evidence.matrix import GLOBAL_BATCH, Layout, exact_layouts
+from paralm.evidence.matrix import GLOBAL_BATCH, CheckedLayout, exact_layouts
 from paralm.evidence.verify import Matrix, check_exact, table, verify
 
 
@@ -32,7 +32,7 @@ def test_verify_holds_a_reduced_llama_matrix_with_grouped_query_attention_under_
 @pytest.mark.slow
 def test_a_layout_that_trains_differently_fails_the_check(tmp_path):
     matrix = Matrix(tmp_path, echo=lambda _: None)
-    different = Layout("ddp-other-lr", 2, {"train.lr": 0.31})  # a 3% change of the learning rate
+    different = CheckedLayout("ddp-other-lr", 2, {"train.lr": 0.31})  # a 3% change of the learning rate
     verdict = check_exact(matrix, different)
     assert not verdict.holds and verdict.weight_gap > 1e-4
     assert "FAILS" in table([verdict])

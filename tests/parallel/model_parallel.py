@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for

@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paralm.config import Config
-from paralm.degrees import resolve_data_parallel
+from paralm.config.degrees import resolve_data_parallel
+from paralm.config.load import load_config
+from paralm.config.schema import Config
 from paralm.errors import UserError
-from paralm.load_config import load_config
+from paralm.job import train
 from paralm.models.kv_cache import attend
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.context.alltoall import AllToAllAttention
@@ -28,7 +29,6 @@ from paralm.parallel.runtime import init_runtime
 from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout as PlanLayout
 from paralm.plan.layout import Workload
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import (

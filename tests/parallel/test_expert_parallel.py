@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from paralm.config import Config
+from paralm.config.dims import ParallelDims
+from paralm.config.rules import validate
+from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.moe import local, moe_layers
-from paralm.parallel.dims import ParallelDims
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.rules import validate
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks

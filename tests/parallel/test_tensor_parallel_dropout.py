@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.parallel.tensor import local_value
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import full_gradients

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paralm.compat import flatten_mesh
-from paralm.config import ParallelConfig, SyncConfig
+from paralm.config.dims import MESH_DIMS, ParallelDims
+from paralm.config.schema import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.parallel.comm_stats import CommStats
-from paralm.parallel.dims import MESH_DIMS, ParallelDims
 
 
 @dataclass

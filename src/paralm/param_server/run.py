@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from paralm.config import Config
+from paralm.config.rules import check_parameter_server
+from paralm.config.schema import Config
 from paralm.data.prepare import dataset_dir
 from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import LEAD
 from paralm.param_server.server import Server
 from paralm.param_server.worker import Worker
-from paralm.rules import check_parameter_server
 from paralm.train.engine import StepEngine
 
 

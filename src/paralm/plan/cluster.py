@@ -225,7 +225,7 @@ RETIRED_FIELDS = frozenset(
 
 def load_cluster(path: str | Path) -> Cluster:
     """A cluster from the `[cluster]` table of a TOML file, as `paralm calibrate` writes it."""
-    from paralm.config_source import read_toml
+    from paralm.config.source import read_toml
 
     raw = read_toml(path).get("cluster")
     if not isinstance(raw, dict):

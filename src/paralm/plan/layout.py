@@ -1,6 +1,6 @@
 """What the cost model prices: a `Layout` (how the job is split) for a `Workload` (what is trained).
 
-Ranks form the mesh (pp, dp_replicate, dp_shard, cp, tp), outermost first, as `paralm.parallel.dims`
+Ranks form the mesh (pp, dp_replicate, dp_shard, cp, tp), outermost first, as `paralm.config.dims`
 builds it: tp ranks are neighbours, pipeline stages the farthest apart. `Rank` describes what one
 pipeline rank holds, since ranks differ: the first holds the embedding, the last (or, in V-shaped
 schedules, the first) the LM head and loss, and earlier ranks keep more micro-batches in flight.
@@ -12,8 +12,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from paralm.config import Config
-from paralm.dtypes import DTYPE_BYTES
+from paralm.config.dtypes import DTYPE_BYTES
+from paralm.config.schema import Config
 from paralm.models.registry import model_shape
 from paralm.models.shape import ModelShape
 from paralm.parallel.split import stage_split

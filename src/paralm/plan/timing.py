@@ -200,7 +200,7 @@ def _data_parallel(
     if layout.zero in (1, 2):
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
         gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
-        if layout.zero == 1:  # paralm.parallel.zero1: after backward, so nothing overlaps
+        if layout.zero == 1:  # paralm.sync.zero1: after backward, so nothing overlaps
             return reduce + gather, reduce + gather + _shard_copies(cluster, params * param_bytes, grads, shard_n)
         # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
         reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1

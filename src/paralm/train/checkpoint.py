@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paralm.config import CONFIG_FILE, Config, ModelConfig
-from paralm.config_source import read_toml
+from paralm.config.schema import CONFIG_FILE, Config, ModelConfig
+from paralm.config.source import read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import TrainingState
+from paralm.sync.base import TrainingState
 from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
 from paralm.train.integrity import MANIFEST_FILE, damage, write_manifest
 

@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from paralm import compat
-from paralm.config import SyncConfig
+from paralm.config.schema import SyncConfig
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import FLAT, SyncStrategy
+from paralm.sync.base import FLAT, SyncStrategy
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -82,9 +82,10 @@ class ReplicaGroups(SyncStrategy):
         self.manager.start_quorum()
         return self.position
 
-    def after_backward(self) -> None:
+    def after_backward(self) -> bool:
         """Average this rank's gradients (its shards, under FSDP or TP) with the same rank of every other
-        group, in one flat all-reduce per dtype."""
+        group, in one flat all-reduce per dtype; the step stands if every group of the quorum finished it
+        (if not, nobody steps and the step runs again)."""
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
         for dtype in {g.dtype for g in grads}:
             same = [g for g in grads if g.dtype == dtype]
@@ -92,9 +93,6 @@ class ReplicaGroups(SyncStrategy):
             self.manager.allreduce(flat).wait()
             for g, averaged in zip(same, flat.split([g.numel() for g in same]), strict=True):
                 g.copy_(averaged.view_as(g))
-
-    def commit(self) -> bool:
-        """Whether every group of the quorum finished the step: if not, nobody steps and the step runs again."""
         return self.manager.should_commit()
 
     def step_metrics(self) -> dict[str, Any]:

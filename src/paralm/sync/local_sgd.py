@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from paralm.config import SyncConfig
+from paralm.config.schema import SyncConfig
 from paralm.errors import UserError
-from paralm.parallel.flat import flatten, unflatten
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import FLAT, SyncStrategy
+from paralm.sync.base import FLAT, SyncStrategy
+from paralm.sync.flat import flatten, unflatten
 
 
 class ModelAverager(SyncStrategy):

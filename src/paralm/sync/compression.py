@@ -13,10 +13,10 @@
 
 `CompressedAllReduce` is the sync strategy of a compressed DDP: it checkpoints the hooks' state
 (PowerSGD's error feedback, warm-start P and Q and step counter; top-k's residuals), which differs
-across ranks, under `rank<r>.` keys, cut by parameter (`paralm.parallel.bucket_state`) so that DDP's rebucketing
+across ranks, under `rank<r>.` keys, cut by parameter (`paralm.sync.bucket_state`) so that DDP's rebucketing
 after a resume does not misplace them; resuming needs the same rank count (else refused). The hooks run
 inside backward, before anyone knows whether the step will be skipped (a NaN/inf gradient, an fp16
-overflow): they keep the state they replace until `settle` (`paralm.parallel.bucket_state`), so a skipped
+overflow): they keep the state they replace until `settle` (`paralm.sync.bucket_state`), so a skipped
 step leaves the error feedback, Q and PowerSGD's step counter as they were instead of NaN.
 """
 
@@ -30,11 +30,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from paralm.config import CommConfig
+from paralm.config.schema import CommConfig
 from paralm.errors import UserError
-from paralm.parallel.bucket_state import BucketState, Layout, LayoutOf, buffer_layout
 from paralm.parallel.comm_stats import CommStats, counting_on
-from paralm.parallel.sync import SyncStrategy
+from paralm.sync.base import SyncStrategy
+from paralm.sync.bucket_state import BucketLayout, BucketState, LayoutOf, buffer_layout
 
 Future = torch.futures.Future[torch.Tensor]  # DDP checks hooks' annotations at runtime: no string annotations here
 
@@ -155,7 +155,7 @@ def compressed_matrices(bucket: dist.GradBucket, psgd: powersgd.PowerSGDState) -
 def q_layout(names: dict[int, str], psgd: powersgd.PowerSGDState) -> LayoutOf:
     """Where each compressed gradient's warm-start Q (m x r) lies in the bucket's Q memory."""
 
-    def layout(bucket: dist.GradBucket) -> Layout:
+    def layout(bucket: dist.GradBucket) -> BucketLayout:
         params, slots, offset = bucket.parameters(), [], 0
         for i, _, m, r in compressed_matrices(bucket, psgd):
             slots.append((names[params[i].data_ptr()], offset, m * r))

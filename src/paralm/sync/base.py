@@ -1,7 +1,7 @@
 """How data-parallel replicas agree: the hooks the training loop calls, whatever the strategy.
 
 A `SyncStrategy` is asked, in this order: `prepare` the optimizer once (ZeRO-1 shards it), then per step
-`start_step`, `after_backward` (gradients are final), `commit` (whether the step stands),
+`start_step`, `after_backward` (gradients are final; it says whether the step stands),
 `clip_grad_norm_` (where the gradients are by then: ZeRO-1 holds them on its shards), `settle` (the
 optimizer stepped or skipped the step: what this step's communication changed is kept, or put back) and
 `after_step` (local SGD and DiLoCo average there). Its own state (`state_dict` / `load_state_dict`,
@@ -71,10 +71,6 @@ class SyncStrategy(Stateful):
         """The optimizer the loop steps (the same one, unless the strategy shards or wraps it)."""
         return optimizer
 
-    def stepped_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer whose state this rank holds (ZeRO-1: its partition's), for the memory meter."""
-        return optimizer
-
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
         return TrainingState(model, optimizer, self)
 
@@ -83,17 +79,15 @@ class SyncStrategy(Stateful):
         peer's state moves forward (fault-tolerant replica groups heal here)."""
         return step, samples_seen
 
-    def after_backward(self) -> None:
-        """Gradients are final on this rank (synced, unscaled); the optimizer has not stepped yet."""
+    def after_backward(self) -> bool:
+        """Gradients are final on this rank (synced, unscaled); the optimizer has not stepped yet. Returns
+        whether the step goes on to the optimizer. False (a replica group failed during it): nobody steps,
+        and the loop runs the same step again."""
+        return True
 
     def step_metrics(self) -> dict[str, Any]:
         """Host values for this step's metrics row (what only the strategy knows)."""
         return {}
-
-    def commit(self) -> bool:
-        """After `after_backward`: whether the step goes on to the optimizer. False (a replica group failed
-        during it): nobody steps, and the loop runs the same step again."""
-        return True
 
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, runtime: Runtime, copies: Collection[str]

@@ -9,15 +9,10 @@ masks travel into every later checkpoint. A checkpoint without masks trains as a
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 from torch import nn
 
-from paralm.compress.layers import canonical
-from paralm.parallel.sync import TrainingState
-from paralm.train.checkpoint import saved_entries
+from paralm.convert.layers import canonical
 
 MASKS = "masks"
 
@@ -36,6 +31,11 @@ class Masks:
         for param, mask in self.pairs.values():
             param.mul_(mask)
 
+    def after_step(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+        """After every optimizer step (an after-step hook): pruned weights stay zero."""
+        self.apply()
+        return {}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: mask for name, (_, mask) in self.pairs.items()}
 
@@ -44,27 +44,3 @@ class Masks:
             if masks[name] is not mask:  # DCP loads in place; a plain dict may bring new tensors
                 mask.copy_(masks[name])
         self.apply()
-
-
-class MaskedState(TrainingState):
-    """The plan's training state with the masks beside it (`masks.*`); loading it re-applies them."""
-
-    def __init__(self, inner: TrainingState, masks: Masks) -> None:
-        super().__init__(inner.model, inner.optimizer, inner.sync)
-        self.inner, self.masks = inner, masks
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict() | {MASKS: self.masks.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict({k: v for k, v in state.items() if k != MASKS})
-        self.masks.load(state[MASKS])
-
-
-def saved_masks(path: Path | None) -> list[str]:
-    """The names of the parameters a checkpoint holds masks for (none: not a pruned run)."""
-    if path is None:
-        return []
-    entries = saved_entries(path)
-    prefix = MASKS + "."
-    return sorted(key[len(prefix) :] for key in entries if key.startswith(prefix))

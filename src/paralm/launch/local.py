@@ -12,7 +12,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser, run
 
 from paralm.errors import ERRORS_TO_LAUNCHER_ENV, FAILED_AT_FIELD, USER_ERROR_EXIT_CODE
-from paralm.parallel.lifeline import PARENT_ENV
+from paralm.launch.lifeline import PARENT_ENV
 
 # Workers stopped by SIGINT/SIGTERM save a checkpoint first: give them this long before SIGKILL.
 SHUTDOWN_TIMEOUT_S = 300
@@ -28,7 +28,7 @@ def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int =
     # torchrun would give every worker one thread; share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[ERRORS_TO_LAUNCHER_ENV] = "1"
-    os.environ[PARENT_ENV] = str(os.getpid())  # the workers die with this process (paralm.parallel.lifeline)
+    os.environ[PARENT_ENV] = str(os.getpid())  # the workers die with this process (paralm.launch.lifeline)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we say what happened, once
     launcher_args = get_args_parser().parse_args(
         [

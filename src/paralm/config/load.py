@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paralm.config import Config
-from paralm.config_source import parse_overrides, read_toml
-from paralm.rules import validate
+from paralm.config.rules import validate
+from paralm.config.schema import Config
+from paralm.config.source import parse_overrides, read_toml
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

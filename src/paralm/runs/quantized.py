@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paralm.compress.layers import linear_names
-from paralm.compress.schemes import check_scheme, quantize_layers
-from paralm.config import CONFIG_FILE, Config
+from paralm.config.load import load_config
+from paralm.config.schema import CONFIG_FILE, Config
+from paralm.convert.layers import linear_names
+from paralm.convert.schemes import check_scheme, quantize_layers
 from paralm.errors import UserError
-from paralm.load_config import load_config
 from paralm.models.registry import model_spec
 from paralm.models.spec import ModelSpec, tied_parameters
 from paralm.train.checkpoint import check_compatible

@@ -1,11 +1,11 @@
 """The degrees and counts a config leaves open, resolved: data-parallel replicas x shards for a world
 size, micro-steps per step, pipeline stages and micro-batches. Each raises a `UserError` naming the
-field and the fix when no value fits; `paralm.rules` holds the rules that need only the config.
+field and the fix when no value fits; `paralm.config.rules` holds the rules that need only the config.
 """
 
 from __future__ import annotations
 
-from paralm.config import Config, ParallelConfig
+from paralm.config.schema import Config, ParallelConfig
 from paralm.errors import UserError
 
 

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import SyncStrategy, TrainingState, step_unless
+from paralm.sync.base import SyncStrategy, TrainingState, step_unless
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -51,7 +51,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_unless(self, skip: torch.Tensor) -> None:
-        """`step` unless `skip`, decided where the inner optimizer can (`paralm.parallel.sync.step_unless`)."""
+        """`step` unless `skip`, decided where the inner optimizer can (`paralm.sync.base.step_unless`)."""
         self._pass_on_hyperparameters()
         step_unless(self.inner, skip)
 
@@ -94,14 +94,11 @@ class ZeroOne(SyncStrategy):
         """The same optimizer (class, groups, hyperparameters), stepping this rank's shards."""
         return ShardedOptimizer(optimizer, self.shard_of)
 
-    def stepped_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer.inner
-
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
         return ZeroOneState(model, optimizer, self)
 
     @torch.no_grad()
-    def after_backward(self) -> None:
+    def after_backward(self) -> bool:
         """Averaged gradient shards onto the shard parameters; the full local gradients are freed."""
         for bucket, spans in zip(self.buckets, self.spans, strict=True):
             full = bucket[0].new_empty(self.ranks, spans[-1][1])  # row r: rank r's shards, one after another
@@ -125,6 +122,7 @@ class ZeroOne(SyncStrategy):
                     stride=p.stride(),
                 )
                 p.grad = None
+        return True
 
     @torch.no_grad()
     def after_step(self, steps_done: int, last: bool) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from paralm.dtypes import torch_dtype
+from paralm.config.dtypes import torch_dtype
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:

@@ -10,53 +10,29 @@ model its family's mapping computes exactly, `ModelSpec.hf`) into a run director
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from paralm.compress.quantized_run import refuse_quantized
-from paralm.config import CONFIG_FILE, Config, ParallelConfig, SyncConfig
+from paralm.config.load import load_config
+from paralm.config.schema import CONFIG_FILE, ParallelConfig, SyncConfig
 from paralm.data.corpus import default_corpus
 from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import BPE_FILE, PretrainedTokenizer, load_tokenizer
 from paralm.errors import UserError
-from paralm.load_config import load_config
 from paralm.models.config import ModelConfig
 from paralm.models.registry import hf_spec, model_shape, model_spec
 from paralm.parallel.runtime import init_runtime
-from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
+from paralm.runs.quantized import refuse_quantized
+from paralm.runs.write import atomic_folder, fresh_optimizer_state
+from paralm.sync.base import SyncStrategy, TrainingState
 from paralm.train.checkpoint import save_checkpoint, trainer_state
-from paralm.train.optim import build_optimizer
 
 WEIGHTS_FILE = "model.safetensors"
 HF_CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-
-
-@contextmanager
-def atomic_folder(out: Path) -> Iterator[Path]:
-    """A temporary sibling of `out`, renamed to `out` when the block succeeds and removed when it fails."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} already exists and is not empty: choose a new --out folder")
-    if not out.parent.is_dir():
-        raise UserError(f"the parent folder of --out {out} does not exist: create it first")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -215,16 +191,3 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
         f"{out_dir}: step-0 checkpoint of {hf_path} ({_millions(config.model)} parameters; {data_note}); "
         f"fine-tune with: paralm train --config {out_dir / CONFIG_FILE}"
     )
-
-
-def fresh_optimizer_state(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
-    """The configured optimizer with its state tensors created (DCP saves and loads them by name) and its
-    step counters at 0, so the first fine-tuning step is the optimizer's first (AdamW's bias correction)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    optimizer = build_optimizer(model, config.train)
-    get_optimizer_state_dict(model, optimizer)  # creates the state with one zero-learning-rate step
-    for state in optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"].zero_()
-    return optimizer

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paralm.compress.layers import linear_names
-from paralm.compress.schemes import quiet_torchao, torchao_config
+from paralm.convert.layers import linear_names
+from paralm.convert.schemes import quiet_torchao, torchao_config
 from paralm.models.spec import ModelSpec
 
 

@@ -3,7 +3,7 @@
 Each group is an ordinary `paralm train [--nproc N]` job with `sync.fault_tolerant` on and a run
 folder of its own (`<run.dir>/group-<g>`). A group that fails is started again (up to
 `--max-restarts` times per group) while the others train on; the new one finds them ahead and heals
-from one of them (`paralm.parallel.fault_tolerant`). One that fails beyond that is left out, and the
+from one of them (`paralm.sync.fault_tolerant`). One that fails beyond that is left out, and the
 others finish without it (the job stops only when fewer than `sync.ft_min_groups` would remain, or on
 a configuration error). On a cluster the same is done with one command per
 group and torchft's `torchft_lighthouse` (README, Fault tolerance).
@@ -21,8 +21,8 @@ from pathlib import Path
 from types import FrameType
 
 from paralm.errors import USER_ERROR_EXIT_CODE
-from paralm.parallel.fault_tolerant import LIGHTHOUSE_ENV
-from paralm.parallel.lifeline import PARENT_ENV
+from paralm.launch.lifeline import PARENT_ENV
+from paralm.sync.fault_tolerant import LIGHTHOUSE_ENV
 
 POLL_S = 0.2
 JOIN_TIMEOUT_MS = 60_000  # a quorum waits this long for every group still heartbeating (a dead one stops)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 Slot = tuple[str, int, int]  # parameter name, offset in the flat table, length
-Layout = tuple[list[Slot], int]  # the slots, and the flat table's length
-LayoutOf = Callable[[dist.GradBucket], Layout]
+BucketLayout = tuple[list[Slot], int]  # the slots, and the flat table's length
+LayoutOf = Callable[[dist.GradBucket], BucketLayout]
 
 
 class BucketState:
@@ -32,7 +32,7 @@ class BucketState:
     ) -> None:
         self.tables = {table: entries for table, (entries, _) in tables.items()}  # the hook's own dicts
         self.layouts = {table: layout_of for table, (_, layout_of) in tables.items()}
-        self.slots: dict[str, dict[int, Layout]] = {table: {} for table in tables}
+        self.slots: dict[str, dict[int, BucketLayout]] = {table: {} for table in tables}
         self.pieces: dict[str, dict[str, torch.Tensor]] = {table: {} for table in tables}  # not in a bucket now
         self.in_place = in_place  # tables whose entries the hook changes in place (PowerSGD's Q)
         self.stashed: dict[int, dict[str, torch.Tensor | None]] = {}  # bucket -> its entries before this step
@@ -81,7 +81,7 @@ class BucketState:
             if any(name in self.pieces[table] for name, _, _ in layout[0]):
                 self.tables[table][index] = self._join(table, layout, bucket.buffer())
 
-    def _join(self, table: str, layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    def _join(self, table: str, layout: BucketLayout, like: torch.Tensor) -> torch.Tensor:
         slots, length = layout
         flat = torch.zeros(length, dtype=like.dtype, device=like.device)
         for name, offset, length in slots:
@@ -112,7 +112,7 @@ class BucketState:
 def buffer_layout(names: dict[int, str]) -> LayoutOf:
     """Where each parameter's gradient lies in a bucket's flat buffer (`names`: data pointer -> name)."""
 
-    def layout(bucket: dist.GradBucket) -> Layout:
+    def layout(bucket: dist.GradBucket) -> BucketLayout:
         buffer = bucket.buffer()
         base = buffer.storage_offset()
         slots = [

@@ -1,9 +1,9 @@
 """The rules for how replicas synchronise: sync modes, gradient compression and fault-tolerant replica
-groups, which combinations exist and their ranges. Part of `paralm.rules.validate`."""
+groups, which combinations exist and their ranges. Part of `paralm.config.rules.validate`."""
 
 from __future__ import annotations
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.errors import UserError
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paralm.compress.layers import linear_names
-from paralm.compress.schemes import quiet_torchao
+from paralm.convert.layers import linear_names
+from paralm.convert.schemes import quiet_torchao
 from paralm.errors import UserError
 from paralm.models.spec import ModelSpec
 

@@ -1,9 +1,10 @@
-"""Every rule about settings that cannot run, in one place: each names the field and the fix.
+"""The rules about settings that cannot run, each naming the field and the fix: here, with the sync
+modes' in `paralm.config.sync_rules` and MoE's in `paralm.config.moe_rules`, which this module applies.
 
-`validate` applies those that need only the config (`paralm.load_config` calls it); the
+`validate` applies those that need only the config (`paralm.config.load` calls it); the
 others need a fact known later (the world size, the tokenizer) and are called where it is known.
 The degrees a config leaves open (data-parallel replicas x shards, accumulation) are resolved, and
-refused when none fits, by `paralm.degrees`. The planner proposes only layouts these rules accept.
+refused when none fits, by `paralm.config.degrees`. The planner proposes only layouts these rules accept.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from paralm.config import Config
-from paralm.data.mixture import parse_mixture
-from paralm.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
+from paralm.config.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
+from paralm.config.dims import ParallelDims
+from paralm.config.mixture import parse_mixture
+from paralm.config.moe_rules import check_moe_layout
+from paralm.config.schedules import PIPELINE_SCHEDULES
+from paralm.config.schema import Config
+from paralm.config.sync_rules import check_compression, validate_sync
 from paralm.errors import UserError
 from paralm.models.moe import check_moe
 from paralm.models.registry import model_shape, model_spec
-from paralm.parallel.dims import ParallelDims
-from paralm.parallel.expert import check_moe_layout
-from paralm.pipeline_schedules import PIPELINE_SCHEDULES
-from paralm.sync_rules import check_compression, validate_sync
 
 
 def validate(config: Config) -> None:

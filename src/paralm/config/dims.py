@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paralm.config import ParallelConfig, SyncConfig
-from paralm.degrees import resolve_data_parallel
+from paralm.config.degrees import resolve_data_parallel
+from paralm.config.schema import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -1,8 +1,9 @@
-"""Typed configuration: TOML sections, `--section.field=value` overrides, validation.
+"""Typed configuration: the sections and their fields.
 
-Every field is declared once, here, with its type, default and a one-line help. A TOML file and the
-command line both go through `Config.from_dict`, so a wrong field name or type gives the same
-readable error wherever it came from.
+Every field is declared once, here, with its type, default and a one-line help (the config reference in
+`docs/config.md` is generated from them). A TOML file and the command line (`paralm.config.source` parses
+both) go through `Config.from_dict`, so a wrong field name or type gives the same readable error wherever
+it came from; the rules across fields are `paralm.config.rules`'.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from paralm.dtypes import DTYPES
+from paralm.config.dtypes import DTYPES
+from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
-from paralm.pipeline_schedules import PIPELINE_SCHEDULES
 
 CONFIG_FILE = "config.toml"  # the resolved config, in a run directory and in each checkpoint
 

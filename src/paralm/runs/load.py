@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paralm.compress.quantized_run import is_quantized, load_quantized
-from paralm.config import CONFIG_FILE, Config
+from paralm.config.load import load_config
+from paralm.config.schema import CONFIG_FILE, Config
 from paralm.data.prepare import dataset_dir
 from paralm.errors import UserError
-from paralm.load_config import load_config
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
+from paralm.runs.quantized import is_quantized, load_quantized
 from paralm.train.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
 
 
