@@ -13,6 +13,7 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from paralm.config.dtypes import DTYPES
@@ -21,6 +22,11 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 
 CONFIG_FILE = "config.toml"  # the resolved config, in a run directory and in each checkpoint
+REPLICA_GROUP_DIR = "group-{}"  # `paralm train --replicas`: replica group g's run folder, inside the run's
+
+
+def replica_group_dir(run_dir: str | Path, group: int) -> Path:
+    return Path(run_dir) / REPLICA_GROUP_DIR.format(group)
 
 
 def option(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:

@@ -6,7 +6,7 @@ folder of its own (`<run.dir>/group-<g>`). A group that fails is started again (
 from one of them (`paralm.sync.fault_tolerant`). One that fails beyond that is left out, and the
 others finish without it (the job stops only when fewer than `sync.ft_min_groups` would remain, or on
 a configuration error). On a cluster the same is done with one command per
-group and torchft's `torchft_lighthouse` (README, Fault tolerance).
+group and torchft's `torchft_lighthouse` (docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from types import FrameType
 
+from paralm.config.schema import replica_group_dir
 from paralm.errors import USER_ERROR_EXIT_CODE
 from paralm.launch.lifeline import PARENT_ENV
 from paralm.sync.fault_tolerant import LIGHTHOUSE_ENV
@@ -27,10 +27,6 @@ from paralm.sync.fault_tolerant import LIGHTHOUSE_ENV
 POLL_S = 0.2
 JOIN_TIMEOUT_MS = 60_000  # a quorum waits this long for every group still heartbeating (a dead one stops)
 STOP_TIMEOUT_S = 300  # groups stopped by SIGINT/SIGTERM save a checkpoint first
-
-
-def group_dir(run_dir: str | Path, group: int) -> Path:
-    return Path(run_dir) / f"group-{group}"
 
 
 def launch_replica_groups(
@@ -101,7 +97,7 @@ class _GroupStarter:
         self.groups, self.nproc, self.args, self.run_dir, self.env = groups, nproc, paralm_args, run_dir, env
 
     def start(self, g: int) -> subprocess.Popen:
-        folder = group_dir(self.run_dir, g)
+        folder = replica_group_dir(self.run_dir, g)
         command = [
             *(sys.executable, "-m", "paralm", "train", *self.args, "--nproc", str(self.nproc)),
             *("--sync.fault_tolerant=true", f"--sync.ft_groups={self.groups}", f"--sync.ft_group={g}"),

@@ -15,7 +15,7 @@ from paralm.errors import UserError
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
 from paralm.runs.quantized import is_quantized, load_quantized
-from paralm.train.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
+from paralm.train.checkpoint import check_compatible, load_checkpoint, resolve_checkpoint, run_checkpoint
 
 
 @dataclass
@@ -44,7 +44,7 @@ def load_trained_model(
         device = select_device(0)
         config, model = load_quantized(run_dir, overrides, device)
         return TrainedModel(config, model, run_dir, dataset_dir(config.data), device)
-    path = resolve_checkpoint(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    path = resolve_checkpoint(checkpoint) if checkpoint else run_checkpoint(run_dir)
     if path is None:
         raise UserError(f"{run_dir} has no complete checkpoint yet: train it first (paralm train --run.dir={run_dir})")
     config = load_config(path / CONFIG_FILE, overrides)
