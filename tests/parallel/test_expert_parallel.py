@@ -132,6 +132,14 @@ def test_moe_layouts_that_cannot_run_are_one_line_errors(tmp_path, model, parall
         validate(config)
 
 
+def test_the_parameter_server_refuses_moe_models(tmp_path):
+    """Its servers step the parameters: the loss-free balancing bias would never move and the routing metrics
+    would vanish (seen at ep = 1 before this rule), so MoE with the parameter server is one line."""
+    config = tiny_config(tmp_path, model=MOE, sync={"mode": "parameter_server", "ps_servers": 1})
+    with pytest.raises(UserError, match="sync.mode = 'parameter_server' is not supported with model.moe_experts"):
+        validate(config)
+
+
 def test_ep_must_divide_the_sharded_data_parallel_degree(tmp_path):
     config = tiny_config(tmp_path, model=MOE, parallel={"ep": 4})
     with pytest.raises(UserError, match="parallel.ep = 4 must divide the sharded data-parallel degree 2"):

@@ -24,6 +24,11 @@ def check_moe_layout(config: Config) -> None:
         "train.activation_checkpointing": config.train.activation_checkpointing != "none",
         "parallel.cp > 1": p.cp > 1,
         "sync.fault_tolerant": config.sync.fault_tolerant,
+        # experts are weight tensors, not the linear layers torchao swaps (`paralm.convert.layers`)
+        f"train.qat = {config.train.qat!r}": config.train.qat != "none",
+        "precision.float8": config.precision.float8,
+        # its servers step the parameters: the loss-free bias and the routing metrics would never move
+        "sync.mode = 'parameter_server'": config.sync.mode == "parameter_server",
         "parallel.zero = 1 with parallel.ep > 1": p.zero == 1 and p.ep > 1,
         f"sync.mode = {config.sync.mode!r} with parallel.ep > 1": config.sync.mode != "allreduce" and p.ep > 1,
     }

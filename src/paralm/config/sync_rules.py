@@ -83,3 +83,8 @@ def check_fault_tolerant(config: Config) -> None:
         raise UserError(
             "sync.fault_tolerant = true keeps no loss scale across groups: use precision.dtype bf16 or fp32"
         )
+    if config.parallel.cpu_offload:  # on GPUs the offloaded shards would reach torchft's NCCL group on the host
+        raise UserError(
+            "sync.fault_tolerant = true (--replicas) averages gradients on the device across groups: set "
+            "parallel.cpu_offload = false"
+        )

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from paralm.errors import UserError
 from paralm.models.spec import Branch, ModelSpec
 
 
@@ -18,10 +19,21 @@ def canonical(name: str) -> str:
 
 
 def branch_layers(model: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, Branch]]:
-    """(`blocks.<i>.<module>` prefix, branch) for every block and branch the model holds."""
+    """(`blocks.<i>.<module>` prefix, branch) for every block and branch the model holds. A branch whose
+    layers are not linear layers (a mixture-of-experts layer's experts are weight tensors) is refused in
+    one line: nothing is compressed that is not there, and nothing there is skipped."""
     for key in model.get_submodule(spec.blocks):
         for branch in spec.branches:
-            yield f"{spec.blocks}.{key}.{branch.module}", branch
+            prefix = f"{spec.blocks}.{key}.{branch.module}"
+            module = model.get_submodule(prefix)
+            for name in (*branch.inputs, branch.output):
+                if not isinstance(getattr(module, name, None), nn.Linear):
+                    raise UserError(
+                        f"{prefix} is a {type(module).__name__} without the linear layer {name!r} (model.moe_experts "
+                        "> 0?): quantization, pruning, QAT and FP8 do not handle mixture-of-experts layers yet; "
+                        "use a dense model"
+                    )
+            yield prefix, branch
 
 
 def linear_names(model: nn.Module, spec: ModelSpec) -> list[str]:

@@ -43,7 +43,7 @@ class ParallelPlan:
     module: nn.Module  # what a step runs: the model wrapped by DDP, FSDP, or a pipeline of its stages
     runner: StepRunner
     runtime: Runtime
-    straggler: SyncConfig  # who sleeps in `before_step`, and how long
+    sync_config: SyncConfig  # the straggler who sleeps in `before_step`; which replica group this job is
     tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
     experts: ExpertParallel | None = None  # expert parallelism: its expert gradients sync here
@@ -63,9 +63,13 @@ class ParallelPlan:
 
     def before_step(self, seed: int, step: int) -> None:
         """The straggler sleeps (if one is configured); dropout is reseeded from (seed, step, rank)
-        with tensor-parallel ranks of one replica sharing the stream (their sharded regions fork it per rank)."""
-        straggle(self.straggler, self.runtime.rank)
-        rank = dropout_rank(self.runtime.rank, self.runtime.dims.tp)
+        with tensor-parallel ranks of one replica sharing the stream (their sharded regions fork it per rank).
+        The rank counts across fault-tolerant replica groups (group g's rank r is g x N + r), so R groups of N
+        ranks draw what one job of R x N ranks draws."""
+        sync, runtime = self.sync_config, self.runtime
+        straggle(sync, runtime.rank)
+        job_rank = sync.ft_group * runtime.world_size + runtime.rank if sync.fault_tolerant else runtime.rank
+        rank = dropout_rank(job_rank, runtime.dims.tp)
         torch.manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
 
 
@@ -91,7 +95,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         module=module,
         runner=runner,
         runtime=runtime,
-        straggler=config.sync,
+        sync_config=config.sync,
         tied=tuple(tied),
         scaler_group=runtime.grad_group if dims.shards_gradients else None,
         experts=experts,
