@@ -5,8 +5,12 @@ does the job in torch 2.13.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -105,12 +109,14 @@ def step_unless_flagged(optimizer: torch.optim.Optimizer, flag: torch.Tensor) ->
         del optimizer.found_inf
 
 
-def weights_only_http_transport(timeout: timedelta) -> Any:
+def weights_only_http_transport(timeout: timedelta, host: str = "") -> Any:
     """torchft's HTTP checkpoint transport (a healthy replica group sends a recovering one its state), reading
     what arrives with torch's weights-only unpickler: torchft reads it with `weights_only=False`, so a
     peer's bytes could run code. Its `_load_from_address` is the one place that reads, and torch's
-    `_streaming_load` the only reader of the streaming format its sender writes."""
+    `_streaming_load` the only reader of the streaming format its sender writes. With `host`, it listens on
+    that address alone (torchft binds every interface and has no parameter for it) and says so to peers."""
     from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing import http_transport
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class WeightsOnlyHTTPTransport(HTTPTransport):
@@ -119,7 +125,52 @@ def weights_only_http_transport(timeout: timedelta) -> Any:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
 
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+        def address(self) -> str:
+            if not host:
+                return super().address()
+            return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    if not host:
+        return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+    class BoundServer(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def __init__(self, server_address: tuple[str, int], handler: Any) -> None:
+            super().__init__((host, 0), handler)
+
+    unbound = http_transport._IPv6HTTPServer  # the server class HTTPTransport builds in its constructor
+    http_transport._IPv6HTTPServer = BoundServer
+    try:
+        return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+    finally:
+        http_transport._IPv6HTTPServer = unbound
+
+
+@contextlib.contextmanager
+def torchft_manager_bound_to(host: str) -> Iterator[None]:
+    """A torchft `Manager` built inside listens on `host` alone (its server binds every interface, `[::]`,
+    and takes no address); empty: as torchft does."""
+    if not host:
+        yield
+        return
+    from torchft import manager
+
+    unbound = manager.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return unbound(**{**kwargs, "bind": f"{_url_host(host)}:{port}"})
+
+    manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        manager.ManagerServer = unbound
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:

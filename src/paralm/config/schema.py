@@ -156,6 +156,11 @@ class SyncConfig:
     ft_min_groups: int = option(1, "fault_tolerant: groups that must take part for a step to commit")
     ft_lighthouse: str = option("", "fault_tolerant: the torchft lighthouse's address; empty: $TORCHFT_LIGHTHOUSE")
     ft_timeout_s: float = option(30.0, "fault_tolerant: seconds a quorum or a cross-group collective waits")
+    ft_bind: str = option(
+        "",
+        "fault_tolerant: the address torchft's manager and checkpoint servers listen on; empty: every interface "
+        "(they trust their network); `paralm train --replicas` uses 127.0.0.1",
+    )
     straggler_rank: int = option(-1, "rank slowed on purpose to study heterogeneous workers; -1: none")
     straggler_delay_s: float = option(0.0, "seconds the straggler rank sleeps in every step")
 

@@ -27,6 +27,7 @@ from paralm.sync.fault_tolerant import LIGHTHOUSE_ENV
 POLL_S = 0.2
 JOIN_TIMEOUT_MS = 60_000  # a quorum waits this long for every group still heartbeating (a dead one stops)
 STOP_TIMEOUT_S = 300  # groups stopped by SIGINT/SIGTERM save a checkpoint first
+LOOPBACK = "127.0.0.1"
 
 
 def launch_replica_groups(
@@ -35,8 +36,10 @@ def launch_replica_groups(
     """Run the groups to the end; returns 0, or the exit code of a group whose failure stopped the job."""
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=JOIN_TIMEOUT_MS)
-    env = os.environ | {LIGHTHOUSE_ENV: lighthouse.address(), PARENT_ENV: str(os.getpid())}
+    # one machine: torchft's services listen on loopback alone (they authenticate nobody)
+    lighthouse = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=min_groups, join_timeout_ms=JOIN_TIMEOUT_MS)
+    port = lighthouse.address().rsplit(":", 1)[1]  # it names the machine's hostname, not the address it bound
+    env = os.environ | {LIGHTHOUSE_ENV: f"http://{LOOPBACK}:{port}", PARENT_ENV: str(os.getpid())}
     group = _GroupStarter(groups, nproc, paralm_args, run_dir, env)
     running = {g: group.start(g) for g in range(groups)}
     restarts, lost = dict.fromkeys(running, 0), []
@@ -101,6 +104,7 @@ class _GroupStarter:
         command = [
             *(sys.executable, "-m", "paralm", "train", *self.args, "--nproc", str(self.nproc)),
             *("--sync.fault_tolerant=true", f"--sync.ft_groups={self.groups}", f"--sync.ft_group={g}"),
+            f"--sync.ft_bind={LOOPBACK}",
             f"--run.dir={folder}",
         ]
         if g == 0:

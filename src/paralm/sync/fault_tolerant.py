@@ -35,8 +35,6 @@ class ReplicaGroups(SyncStrategy):
     """Gradients averaged over the groups of each step's quorum; a step commits where the quorum agrees."""
 
     def __init__(self, model: nn.Module, runtime: Runtime, sync: SyncConfig) -> None:
-        from torchft import Manager
-
         lighthouse = sync.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         if not lighthouse:
             raise UserError(
@@ -47,26 +45,9 @@ class ReplicaGroups(SyncStrategy):
         self.optimizer: torch.optim.Optimizer | None = None
         self.position = (0, 0)  # the loop's (step, samples seen): a healing group takes its peer's
         self.joined = False
-        timeout = timedelta(seconds=sync.ft_timeout_s)
         self.store, address, port = _group_store(runtime)  # kept: the group's manager lives on it
-        self.manager = Manager(
-            pg=_cross_group(runtime.device, timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=sync.ft_min_groups,
-            use_async_quorum=False,  # heal before the step's forward, so the loop goes on from the peer's position
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            store_addr=address,
-            store_port=port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"paralm_group_{sync.ft_group}",
-            checkpoint_transport=compat.weights_only_http_transport(timeout),
-            init_sync=False,  # every group initialises the same weights from the seed
-        )
+        with compat.torchft_manager_bound_to(sync.ft_bind):
+            self.manager = _manager(runtime, sync, lighthouse, (address, port))
 
     def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.optimizer = optimizer
@@ -115,6 +96,32 @@ class ReplicaGroups(SyncStrategy):
             options=FLAT,
         )
         self.position = (state["step"], state["samples"])
+
+
+def _manager(runtime: Runtime, sync: SyncConfig, lighthouse: str, store: tuple[str, int]) -> Any:
+    """This group's torchft manager, on the group's store; with `sync.ft_bind`, its servers listen there alone."""
+    from torchft import Manager
+
+    timeout = timedelta(seconds=sync.ft_timeout_s)
+    return Manager(
+        pg=_cross_group(runtime.device, timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=sync.ft_min_groups,
+        use_async_quorum=False,  # heal before the step's forward, so the loop goes on from the peer's position
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        store_addr=store[0],
+        store_port=store[1],
+        lighthouse_addr=lighthouse,
+        replica_id=f"paralm_group_{sync.ft_group}",
+        checkpoint_transport=compat.weights_only_http_transport(timeout, sync.ft_bind),
+        **({"hostname": sync.ft_bind} if sync.ft_bind else {}),  # the address peers are told
+        init_sync=False,  # every group initialises the same weights from the seed
+    )
 
 
 def _group_store(runtime: Runtime) -> tuple[dist.TCPStore | None, str, int]:
