@@ -12,6 +12,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from paralm.config.degrees import resolve_grad_accum
+from paralm.config.dims import ParallelDims
 from paralm.config.dtypes import DTYPE_BYTES
 from paralm.config.schema import Config
 from paralm.models.registry import model_shape
@@ -91,6 +93,30 @@ class Layout:
     ps_servers: int = 0  # devices serving parameters (sync.mode = parameter_server), outside the mesh
     cp: int = 1  # context parallelism: each sequence's positions split across cp ranks
     cp_method: str = "ring"  # ring | alltoall
+
+    @classmethod
+    def of_config(cls, config: Config, dims: ParallelDims) -> Layout:
+        """The layout `config` trains with, its data-parallel degrees as `dims` resolved them (the dry run
+        prices the layout it rehearses)."""
+        p, t = config.parallel, config.train
+        return cls(
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            zero=dims.zero_stage,
+            tp=p.tp,
+            sequence_parallel=p.sequence_parallel,
+            pp=p.pp,
+            pp_schedule=p.pp_schedule,
+            pp_microbatches=(p.pp_microbatches or p.pp) if p.pp > 1 else 1,
+            pp_virtual_stages=p.pp_virtual_stages,
+            micro_batch_size=t.micro_batch_size,
+            grad_accum=resolve_grad_accum(config, dims.dp),
+            activation_checkpointing=t.activation_checkpointing,
+            ac_every=t.ac_every,
+            pp_split=tuple(p.pp_split),
+            cp=p.cp,
+            cp_method=p.cp_method,
+        )
 
     @property
     def dp(self) -> int:
