@@ -43,6 +43,15 @@ class Workload:
     # shard (`parallel.shard_grads_every_microstep`, DeepSpeed's way), or once per step with whole
     # gradients held until the last micro-step (FSDP2 with sync off, paralm's default).
     sharded_accumulation: bool = False
+    # The blocks' linear layers in FP8 (`precision.float8`, torchao's tensorwise scaling): their matmuls
+    # at the device's FP8 peak, plus the casts that scale their inputs (`kernels.float8_casts`).
+    float8: bool = False
+    # Blocks compiled (`train.compile`): each fusible run of elementwise ops is one kernel that reads its
+    # inputs and writes its outputs once (`ModelShape`'s fused traffic) instead of a kernel per op.
+    compiled: bool = False
+    # The fused attention kernel (`Cluster.attention_efficiency`): flash2 is what torch's
+    # scaled_dot_product_attention runs on GPUs, paralm's; cudnn Transformer Engine's (Megatron).
+    attention_kernel: str = "flash2"
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
@@ -63,6 +72,8 @@ class Workload:
             config.comm.powersgd_rank,
             config.comm.topk_ratio,
             config.parallel.shard_grads_every_microstep,
+            config.precision.float8,
+            config.train.compile,
         )
 
     @property
