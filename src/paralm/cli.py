@@ -24,6 +24,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.launch.local import launch_local_workers
     from paralm.plan.auto import train_config
 
+    if args.dry_run is not None:
+        from paralm.config.load import load_config
+        from paralm.plan.dry_run import dry_run
+
+        dry_run(load_config(args.config, overrides), args.dry_run)
+        return 0
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     if args.replicas:
         return _train_replicas(args, overrides)
@@ -219,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="R fault-tolerant replica groups of --nproc ranks (torchft): a failed group is restarted (up to "
         "--max-restarts times) and rejoins while the others train on",
+    )
+    train.add_argument(
+        "--dry-run",
+        type=int,
+        metavar="N",
+        help="build the parallelized model as N ranks would, in this process on fake devices (no data, no "
+        "step), and write <run.dir>/dry_run.json: bytes each rank holds, measured and planned",
     )
     train.set_defaults(func=_train)
 

@@ -40,6 +40,7 @@ __all__ = [
     "cpu_flash_attention_backward",
     "current_dispatch_mode",
     "flatten_mesh",
+    "init_fake_process_group",
     "replicate",
     "resolve_process_group",
     "step_unless_flagged",
@@ -81,6 +82,16 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     way: a new mesh over the same ranks would have another root, and FSDP2 (`replicate`) refuses to
     combine a data-parallel mesh with tensor-parallel DTensors from a different root."""
     return mesh._flatten(name)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """The default process group as rank `rank` of `world_size`, with no peers: torch's fake backend
+    answers every collective at once without moving data, so one process can build what any rank of a
+    large job builds (the dry run). It is registered by, and its store lives in, a private testing module."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def resolve_process_group(group_name: str) -> ProcessGroup:

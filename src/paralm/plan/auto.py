@@ -35,6 +35,7 @@ from paralm.plan import trials
 from paralm.plan.cluster import Cluster, GiB, load_cluster
 from paralm.plan.request import load_request, with_fields
 from paralm.plan.search import Prediction, search
+from paralm.plan.validate import error_line
 
 RECIPE = "fp32-master"  # how paralm stores model states: see memory.STATE_RECIPES
 SHOWN = 3
@@ -91,6 +92,7 @@ def choose_layouts(
     if not accepted:
         raise UserError("parallel.auto: none of the layouts that fit passes paralm's checks; set the layout by hand")
     log(f"parallel.auto: {len(plans)} layouts fit {cluster.devices} x {cluster.name}; the fastest paralm accepts:")
+    log(f"  ({error_line()})")
     for i, (plan, _) in enumerate(accepted, 1):
         log(f"  {i}. {describe(plan)}")
     if len(accepted) > 1:

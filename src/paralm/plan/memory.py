@@ -216,6 +216,17 @@ def _fsdp_states(states: ModelStates, params: float, layout: Layout, work: Workl
     return states
 
 
+def stored_states(layout: Layout, work: Workload, rank: Rank) -> ModelStates:
+    """The model states a device keeps between steps, as paralm stores them (the dry run's plan): the
+    model states of `rank_memory` without ZeRO-2's parameters gathered for forward and backward (FSDP
+    stores the fp32 shard only) and ZeRO-1's whole gradients before their reduce-scatter."""
+    params = rank_params(work.shape, layout, rank)
+    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+    if layout.zero >= 2 and layout.shards > 1 and work.recipe == "fp32-master":
+        return ModelStates(params * 4 / layout.shards, states.grad_bytes, states.optim_bytes)
+    return states
+
+
 def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     """Communication and cast buffers beyond the model states (stated assumptions):
     - ZeRO-3 gathers parameters in the compute dtype: two blocks at a time (the one computing and the

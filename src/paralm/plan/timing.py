@@ -89,7 +89,19 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     shape, t, e = work.shape, layout.tp, work.element_bytes
     sp = layout.sequence_parallel and t > 1
     c = layout.cp
-    block = kernels.block_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, sp, e, c)
+    block = kernels.block_forward(
+        cluster,
+        work.dtype,
+        shape,
+        layout.pipeline_batch,
+        t,
+        sp,
+        e,
+        c,
+        float8=work.float8,
+        compiled=work.compiled,
+        attention_kernel=work.attention_kernel,
+    )
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e, c) if rank.has_head else 0.0
     recomputed = layout.checkpointed_blocks(rank.layers)
     activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * e
