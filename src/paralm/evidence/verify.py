@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
 from paralm.errors import UserError
 from paralm.evidence.matrix import (
     EXACT_TOLERANCE,
@@ -28,7 +30,11 @@ from paralm.evidence.matrix import (
     reference_layout,
 )
 from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
+from paralm.models.config import ModelConfig
 from paralm.models.registry import model_shape, model_spec
+from paralm.plan.context import context_parallel_bytes
+from paralm.plan.layout import Layout as PlanLayout
+from paralm.plan.layout import Workload
 
 
 @dataclass
@@ -88,6 +94,35 @@ def check_exact(matrix: Matrix, layout: CheckedLayout) -> Verdict:
     return Verdict(
         matrix.family, layout.name, layout.ranks, loss, norm, weights, f"{EXACT_TOLERANCE:.0e}", holds, guarantee
     )
+
+
+CP_SETTINGS = ("parallel.cp", "parallel.cp_method")
+
+
+def check_context_parallel(matrix: Matrix, layout: CheckedLayout) -> Verdict:
+    """Exact, and context-parallel: each step sends, beyond the same layout without cp (whose gradient traffic
+    it shares), the attention traffic the planner prices for its cp ranks (ring or all-to-all). Replicated
+    compute on whole sequences would match one process too, and send nothing more."""
+    verdict = check_exact(matrix, layout)
+    without = {k: v for k, v in layout.settings.items() if k not in CP_SETTINGS}
+    base = next((other for other in exact_layouts(layout.ranks) if other.settings == without), None)
+    base = base or CheckedLayout(f"{layout.name}-without-cp", layout.ranks, without)
+    sent, shared = matrix.train(layout).series("comm_bytes"), matrix.train(base).series("comm_bytes")
+    extra = sorted({a - b for a, b in zip(sent, shared, strict=True)})
+    planned = planned_cp_bytes(layout, matrix.model)
+    verdict.measured = (
+        f"bytes/step beyond {base.name}: {', '.join(map(str, extra))}, the planner's cp bytes {planned:.0f}"
+    )
+    verdict.holds = verdict.holds and all(abs(e - planned) <= 0.01 * planned for e in extra)
+    return verdict
+
+
+def planned_cp_bytes(layout: CheckedLayout, model: ModelConfig) -> float:
+    """The planner's context-parallel bytes of one step, summed over the ranks (as metrics sum comm_bytes)."""
+    config = load_config(None, layout.args(model))
+    dims = ParallelDims.from_config(config.parallel, config.sync, layout.ranks)
+    work = Workload.from_config(config, GLOBAL_BATCH, "fp32-master")
+    return layout.ranks * model.n_layer * context_parallel_bytes(PlanLayout.of_config(config, dims), work)
 
 
 def _within(matrix: Matrix, layout: CheckedLayout, against: Trained | None, bound: float, guarantee: str) -> Verdict:
@@ -213,7 +248,9 @@ def verify(
         losses = matrix.reference().series("loss")
         if not losses[-1] < losses[0]:
             raise RuntimeError(f"the one-process {family} reference did not train (losses {losses})")
-        verdicts += [check_exact(matrix, layout) for layout in exact]
+        verdicts += [
+            (check_context_parallel if "cp" in layout.tags else check_exact)(matrix, layout) for layout in exact
+        ]
         verdicts += [check(matrix, nproc) for check in approximate]
     return verdicts
 
