@@ -59,6 +59,7 @@ def _train_replicas(args: argparse.Namespace, overrides: list[str]) -> int:
         config.run.dir,
         config.sync.ft_min_groups,
         args.max_restarts,
+        args.ft_log,
     )
 
 
@@ -225,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="R fault-tolerant replica groups of --nproc ranks (torchft): a failed group is restarted (up to "
         "--max-restarts times) and rejoins while the others train on",
+    )
+    train.add_argument(
+        "--ft-log",
+        action="store_true",
+        help="with --replicas: show torchft's own log lines (its quorum and heal INFO lines; quiet by default)",
     )
     train.add_argument(
         "--dry-run",

@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import shlex
+import subprocess
 
 import pytest
 import torch
@@ -19,6 +22,10 @@ from tests.helpers import tiny_config
 
 TOPICS = sorted(__import__("pydoc_data.topics", fromlist=["topics"]).topics.items())
 BLOCK = 32
+LM_EVAL_COMMAND = (  # as docs/evaluation.md shows it (device=cpu inside --model_args crashes lm-eval 0.4.13)
+    "lm_eval --model hf --model_args pretrained={exported},dtype=float32 --tasks local_mc "
+    "--include_path {tasks} --device cpu --batch_size 4 --output_path {out}"
+)
 
 
 _RUNS = {}
@@ -125,15 +132,17 @@ def _tasks(tmp):
 
 
 @pytest.mark.slow
-def test_paralm_eval_tasks_equal_lm_eval_on_the_export_at_every_checkpoint(bpe_run, tmp_path):
+def test_paralm_eval_tasks_equal_lm_eval_on_the_export_at_every_checkpoint(bpe_run, tmp_path, capfd, monkeypatch):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     run_dir, exported = bpe_run
     _tasks(tmp_path)
     out = tmp_path / "mine.json"
+    monkeypatch.chdir(tmp_path)  # not a git checkout: lm-eval's `git describe` must not reach the terminal
     args = ["eval", "--run", str(run_dir), "--tasks", "local_mc,local_ppl", "--include-path", str(tmp_path / "tasks")]
     assert main([*args, "--out", str(out), "--every-checkpoint"]) == 0
+    assert "not a git repository" not in capfd.readouterr().err
     mine = json.loads(out.read_text())["checkpoints"]
     assert [c["step"] for c in mine] == [2, 3]
     assert out.with_suffix(".png").stat().st_size > 0
@@ -144,6 +153,11 @@ def test_paralm_eval_tasks_equal_lm_eval_on_the_export_at_every_checkpoint(bpe_r
     for task, metric in [("local_mc", "acc,none"), ("local_mc", "acc_norm,none"), ("local_ppl", "word_perplexity,none"),
                          ("local_ppl", "bits_per_byte,none")]:  # fmt: skip
         assert abs(mine[-1]["results"][task][metric] - ref[task][metric]) <= 1e-4
+    # the lm_eval command docs/evaluation.md shows for an exported folder gives the same figures
+    command = LM_EVAL_COMMAND.format(exported=exported, tasks=tmp_path / "tasks", out=tmp_path / "cli")
+    subprocess.run(shlex.split(command), check=True, capture_output=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    cli = json.loads(next((tmp_path / "cli").rglob("results_*.json")).read_text())["results"]
+    assert abs(cli["local_mc"]["acc,none"] - ref["local_mc"]["acc,none"]) <= 1e-4
 
 
 def test_an_unknown_task_or_include_path_is_a_one_line_error(bpe_run, tmp_path, capsys):

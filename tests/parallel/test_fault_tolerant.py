@@ -141,6 +141,7 @@ def test_groups_resume_from_the_run_folders_checkpoint(tmp_path):
     _finish(_train(tmp_path, "--train.steps=2", "--train.eval_every=0"))
     out = _finish(_train(tmp_path, "--train.steps=3", "--train.eval_every=0", "--replicas", "2"))
     assert "replica group 0 resumes from" in out and "step_000002" in out
+    assert "[INFO]" not in out  # torchft's per-step lines stay quiet unless --ft-log
     for g in range(2):
         assert [r["step"] for r in _rows(tmp_path / f"group-{g}") if "loss" in r] == [2]
     assert load_trained_model(tmp_path).checkpoint.name == "step_000003"

@@ -31,9 +31,13 @@ LOOPBACK = "127.0.0.1"
 
 
 def launch_replica_groups(
-    groups: int, nproc: int, paralm_args: list[str], run_dir: str, min_groups: int, max_restarts: int
+    groups: int, nproc: int, paralm_args: list[str], run_dir: str, min_groups: int, max_restarts: int, log: bool = False
 ) -> int:
-    """Run the groups to the end; returns 0, or the exit code of a group whose failure stopped the job."""
+    """Run the groups to the end; returns 0, or the exit code of a group whose failure stopped the job. torchft's
+    services log every quorum at INFO (Rust's `RUST_LOG`), which buries the progress bar: warnings only, unless
+    `log` (`--ft-log`) or the caller's own `RUST_LOG`."""
+    if not log:
+        os.environ.setdefault("RUST_LOG", "warn")  # before torchft's logger starts, here and in the groups
     from torchft.coordination import LighthouseServer
 
     # one machine: torchft's services listen on loopback alone (they authenticate nobody)

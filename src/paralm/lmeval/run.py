@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,11 @@ def evaluate_tasks(request: TaskRequest, manager=None) -> dict:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
+    import lm_eval.evaluator
 
+    # lm-eval records the git commit of the working folder with `git describe`, whose "fatal: not a git
+    # repository" reaches the terminal outside a checkout: the same record, without git's stderr
+    lm_eval.evaluator.get_git_commit_hash = _git_commit_quietly
     manager = manager or task_manager(request.include_path)
     check_tasks(manager, request.tasks)
     lm, checkpoint = paralm_lm(request.run, request.checkpoint, request.batch_size)
@@ -53,6 +58,14 @@ def evaluate_tasks(request: TaskRequest, manager=None) -> dict:
     results.pop("samples", None)
     results["paralm"] = {"run": str(request.run), "checkpoint": str(checkpoint)}
     return results
+
+
+def _git_commit_quietly() -> str | None:
+    try:
+        described = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return None
+    return described.stdout.strip()
 
 
 def paralm_lm(run: str, checkpoint: str | None, batch_size: int):
