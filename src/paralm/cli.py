@@ -32,7 +32,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from paralm.parallel.dims import ParallelDims
 
         ParallelDims.from_config(config.parallel, config.sync, args.nproc)  # fail before spawning
-        return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides], args.max_restarts)
+        argv = ["train", *_config_args(args), *overrides]
+        return launch_local_workers(args.nproc, argv, args.max_restarts, config.run.dir)
     train(config)
     return 0
 

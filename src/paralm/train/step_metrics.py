@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from paralm.models.moe import balance_figures
+from paralm.observe.stragglers import decode
 from paralm.parallel.runtime import Runtime
 from paralm.train.metrics import Throughput, step_row
 
@@ -47,6 +48,7 @@ class StepMetrics:
 
     SUMS = ("loss", "comm_bytes")
     MAXIMA = ("grad_norm", "skipped", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
+    MAXIMA += ("own_slowest", "own_neg_fastest")  # each rank's own time (`paralm.observe.stragglers`)
     ON_DEVICE = ("loss", "grad_norm", "skipped")
 
     def start_step(self) -> None:
@@ -100,6 +102,7 @@ class StepMetrics:
                 named.pop(k) for k in ("loss", "grad_norm", "comm_bytes", "skipped")
             )
             host = pending.host | ({"skipped": True} if skipped else {})
+            own = decode(named.pop("own_slowest"), named.pop("own_neg_fastest"), self.runtime.world_size)
             rows.append(
                 step_row(
                     pending.step,
@@ -107,6 +110,7 @@ class StepMetrics:
                     host.pop("lr"),
                     None if host.get("overflow") else grad_norm,  # an overflow has none (a skip: `BadSteps.review`)
                     **self.throughput.row(self.tokens_per_step, seconds),
+                    **own,
                     **{k: int(v) for k, v in named.items()},
                     **host,
                     **({"comm_bytes": int(comm_bytes)} if self.comm_bytes else {}),

@@ -15,6 +15,7 @@ from typing import Any
 from paralm.config import Config
 from paralm.errors import Interrupted, note_failure
 from paralm.hardware import device_peak_flops, startup_notes
+from paralm.observe.run import RunObserver
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
 from paralm.param_server.run import run_parameter_server
 from paralm.train.bad_steps import BadSteps
@@ -28,30 +29,37 @@ from paralm.train.step_metrics import StepMetrics
 
 
 def train(config: Config) -> None:
+    observer = RunObserver(config)  # before the process group: NCCL's flight recorder reads its settings there
     runtime = init_runtime(config.parallel, config.sync)
     try:
         with runtime.counting(config.log.comm_bytes):  # every collective from here on (paralm.parallel.comm_stats)
             if config.sync.mode == "parameter_server":
                 run_parameter_server(config, runtime)
             else:
-                Trainer(config, runtime).fit()
+                Trainer(config, runtime, observer).fit()
     except Interrupted:
+        observer.close()
         shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
         raise
-    except BaseException:
+    except BaseException as error:
         note_failure()  # before leaving the group: its peers fail when it does, and this rank failed first
+        observer.failed(error)  # into logs/rank<r>.log; a timed-out collective: hang/rank<r>.txt
         shutdown(runtime, together=False)
         raise
+    observer.close()
     shutdown(runtime)
 
 
 class Trainer:
     """The loop on a step engine: optimizer steps, metrics, checkpoints, bad steps and stop signals."""
 
-    def __init__(self, config: Config, runtime: Runtime) -> None:
+    def __init__(self, config: Config, runtime: Runtime, observer: RunObserver | None = None) -> None:
         self.config, self.runtime, self.device = config, runtime, runtime.device
         t = config.train
         self.engine = engine = StepEngine(config, runtime)
+        self.own_observer = observer is None  # closed by `fit`, else by `train`
+        self.observer = observer or RunObserver(config)
+        notes = self.observer.attach(runtime, engine.module)
         self.optimizer = engine.plan.prepare_optimizer(
             build_optimizer(engine.model, t, loss_scaling=config.precision.dtype == "fp16")
         )
@@ -77,12 +85,17 @@ class Trainer:
             for note in startup_notes(self.device, config.precision.dtype):
                 self.logger.message(note)
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
+            for note in notes:
+                self.logger.message(note)
 
     def fit(self) -> None:
         # SIGINT/SIGTERM: stop after a step all agree on
         with StopSignals() as self.stop, self.runtime.counting(self.config.log.comm_bytes):
+            self.observer.stop_on(self.stop)
             self._fit()
             self.checkpoints.wait()  # the last checkpoint is complete before the job ends
+        if self.own_observer:
+            self.observer.close()
 
     def _fit(self) -> None:
         t, ckpt = self.config.train, self.config.checkpoint
@@ -124,6 +137,8 @@ class Trainer:
                 self.logger.message(describe_measured(row, self.memory_prediction))
             self.logger.write(row)
             self.logger.progress(row)
+            if straggler := self.observer.review(row):
+                self.logger.message(straggler)
 
     def _stop(self, signum: int) -> None:
         """Every rank saw the same flag before this step: save (unless done already) and leave."""
@@ -142,11 +157,14 @@ class Trainer:
         engine = self.engine
         self.metrics.start_step()
         self.step, self.samples_seen = engine.plan.sync.start_step(self.step, self.samples_seen)
+        self.observer.step_started(self.step)
         engine.plan.before_step(self.config.train.seed, self.step)
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
 
-        loss_sum = engine.forward_backward(engine.micro_batches(self.samples_seen))
+        batches = engine.micro_batches(self.samples_seen)
+        self.observer.forward_begins()
+        loss_sum = engine.forward_backward(batches)
         engine.scaler.unscale_(self.optimizer)
         self.memory.after_backward()
         engine.plan.sync.after_backward()
@@ -168,7 +186,11 @@ class Trainer:
                 f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
                 f"{scaling['loss_scale']:g}"
             )
-        counters = {**self.memory.after_step(), "peak_mem_bytes": peak_memory_bytes(self.device)}
+        counters = {
+            **self.memory.after_step(),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            **self.observer.step_ended(self.step),
+        }
         if self.config.log.comm_bytes:
             counters["comm_bytes"] = self.runtime.comm.take_step()[0]
         flag = None if self.bad.fp16 else skipped  # fp16 rows say `overflow` instead
