@@ -64,7 +64,7 @@ def collectives(steps: list[tuple[int, int]]) -> dict[str, Any]:
             {
                 "seq": entry.get("collective_seq_id"),
                 "op": str(entry.get("profiling_name", "")).split(":")[-1],
-                "group": (entry.get("process_group") or ["?"])[0],
+                "group": str(entry.get("pg_id", "?")),  # the key of `groups` (its name can differ)
                 "sizes": entry.get("input_sizes"),
                 "step": steps[at][0] if at >= 0 else None,
                 "created_ns": entry.get("time_created_ns"),
