@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.hardware import cpu_flags, cpu_name
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer

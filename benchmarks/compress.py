@@ -32,14 +32,14 @@ from common import TINY_CONFIGS, machine, print_table
 
 from paralm.compress.prune import prune_run
 from paralm.compress.quantize import quantize_run
-from paralm.compress.quantized_run import WEIGHTS_FILE, parts
+from paralm.config.load import load_config
 from paralm.evaluate import evaluate_run
-from paralm.load_config import load_config
+from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.models.sampling import generate
 from paralm.runs import load_trained_model
+from paralm.runs.quantized import WEIGHTS_FILE, parts
 from paralm.train.checkpoint import latest_checkpoint
-from paralm.train.trainer import train
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int8-dynamic-int4-weight")
 

@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 from common import machine, print_table, step, train_metrics, warm_trainer
 
 from paralm import compat
-from paralm.config import Config
-from paralm.config_source import read_toml
+from paralm.config.schema import Config
+from paralm.config.source import read_toml
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
 from paralm.plan.moe import plan_experts

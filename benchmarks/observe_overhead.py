@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from common import machine, print_table, step
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.observe.run import RunObserver
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
@@ -34,14 +34,14 @@ from paralm.train.trainer import Trainer
 class NullObserver(RunObserver):
     """Watches nothing: no thread, no hook, no clock readings; zeros in the metrics columns."""
 
-    def attach(self, runtime: Any, module: object) -> list[str]:
-        return []
+    def attach(self, runtime: Any, module: object) -> None:
+        pass
 
     def step_started(self, step: int) -> None:
         pass
 
-    def forward_begins(self) -> None:
-        pass
+    def forward_begins(self, batches: Any) -> Any:
+        return batches
 
     def step_ended(self, step: int) -> dict[str, float]:
         return {"own_slowest": 0.0, "own_neg_fastest": 0.0}

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 from common import print_table
 
-from paralm.config import PIPELINE_SCHEDULES
-from paralm.pipeline_schedules import fewest_stages_per_rank
+from paralm.config.schedules import fewest_stages_per_rank
+from paralm.config.schema import PIPELINE_SCHEDULES
 
 SCHEDULES = [(name, fewest_stages_per_rank(name)) for name in PIPELINE_SCHEDULES]  # (name, chunks per rank)
 MODEL = {"n_layer": 8, "n_head": 4, "d_model": 256, "block_size": 128, "vocab_size": 256, "dropout": 0.0}
@@ -65,12 +65,12 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
     import torch
     import torch.distributed as dist
 
-    from paralm.config import Config
+    from paralm.config.rules import check_model_parallel
+    from paralm.config.schema import Config
     from paralm.errors import UserError
     from paralm.models.registry import model_spec
     from paralm.parallel.pipeline import build_pipeline
     from paralm.parallel.runtime import init_runtime, shutdown
-    from paralm.rules import check_model_parallel
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
     layout = Config.from_dict({"parallel": {"pp": pp, "dp": 1}})

@@ -35,7 +35,7 @@ def _status(field: str) -> int:
 
 def _rank(sections: dict) -> tuple[int, int, int]:
     """(rank, parameter bytes held, peak RSS growth while the trainer was built)."""
-    from paralm.config import Config
+    from paralm.config.schema import Config
     from paralm.parallel.runtime import init_runtime, shutdown
     from paralm.train.trainer import Trainer
 

@@ -25,9 +25,9 @@ import torch
 from common import TINY_CONFIGS, machine, print_table
 
 from paralm.compress.quantize import quantize_run
+from paralm.config.load import load_config
 from paralm.evaluate import evaluate_run
-from paralm.load_config import load_config
-from paralm.train.trainer import train
+from paralm.job import train
 
 # Below this cost the share won back says nothing: two fine-tunes of these models differ by about as much.
 NOISE = 0.005

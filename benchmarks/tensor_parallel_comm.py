@@ -66,7 +66,7 @@ def worker(tp: int, batch: int) -> None:
     """One rank of `torchrun`: count a step's collectives for 2 and 4 layers, with and without SP."""
     import torch
 
-    from paralm.config import Config
+    from paralm.config.schema import Config
     from paralm.models.config import ModelConfig
     from paralm.models.gpt2 import GPT
     from paralm.models.gpt2_spec import SPEC

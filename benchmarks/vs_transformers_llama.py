@@ -40,7 +40,7 @@ import torch
 from common import machine, print_table, thread_env
 from torch import nn
 
-from paralm.config import DataConfig, TrainConfig
+from paralm.config.schema import DataConfig, TrainConfig
 from paralm.data.prepare import dataset_dir
 from paralm.data.sampler import sample_windows
 from paralm.data.shards import TokenDataset
@@ -48,9 +48,9 @@ from paralm.hardware import device_peak_flops
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.registry import model_shape, model_spec
+from paralm.parallel.precision import autocast
 from paralm.train.metrics import Throughput, peak_memory_bytes
 from paralm.train.optim import build_optimizer
-from paralm.train.precision import autocast
 
 SIDES = ("paralm llama", "transformers llama", "paralm gpt2")
 # |paralm - transformers| allowed at step 0: fp32 differs only in summation order; bf16 rounds every

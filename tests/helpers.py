@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from paralm.config import Config
-from paralm.parallel.dims import ParallelDims
+from paralm.config.dims import ParallelDims
+from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from paralm.cli import main
+from paralm.config.load import load_config
 from paralm.generate import generate_from_run
-from paralm.load_config import load_config
-from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
+from paralm.sync.base import SyncStrategy, TrainingState
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
 from paralm.train.optim import build_optimizer
 from tests.helpers import read_metrics

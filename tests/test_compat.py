@@ -1,5 +1,7 @@
 """Every private torch API paralm uses still exists where `paralm.compat` takes it from, and works."""
 
+from datetime import timedelta
+
 import torch
 
 from paralm import compat
@@ -69,3 +71,42 @@ def test_cpu_flash_attention_returns_sdpa_and_its_log_sum_exp_and_gradients():
     grads = compat.cpu_flash_attention_backward(grad, q, k, v, out, lse, causal=True)
     for got, tensor in zip(grads, (q, k, v), strict=True):
         torch.testing.assert_close(got, tensor.grad)
+
+
+def test_torchft_servers_listen_on_the_address_they_are_given():
+    """torchft's manager and HTTP checkpoint servers bind every interface and take no address: bound to one
+    (`sync.ft_bind`, loopback under `paralm train --replicas`), each listens there alone, and its peers are
+    told that address; without one, as torchft does (the control: every interface)."""
+    import psutil
+    import torch.distributed as dist
+    from torchft import manager
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with compat.torchft_manager_bound_to("127.0.0.1"):
+        server = manager.ManagerServer(
+            replica_id="bound",
+            lighthouse_addr="http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1],
+            hostname="127.0.0.1",
+            bind="[::]:0",
+            store_addr=f"127.0.0.1:{store.port}",
+            world_size=1,
+            heartbeat_interval=timedelta(seconds=1),
+            connect_timeout=timedelta(seconds=5),
+            quorum_retries=0,
+        )
+    bound = compat.weights_only_http_transport(timedelta(seconds=5), "127.0.0.1")
+    everywhere = compat.weights_only_http_transport(timedelta(seconds=5))
+    try:
+        listening = {c.laddr.port: c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
+        manager_port = int(server.address().rsplit(":", 1)[1])
+        assert server.address().startswith("http://127.0.0.1:") and listening[manager_port] == "127.0.0.1"
+        assert bound.address().startswith("http://127.0.0.1:")
+        assert listening[bound._server.socket.getsockname()[1]] == "127.0.0.1"
+        assert listening[everywhere._server.socket.getsockname()[1]] in ("::", "0.0.0.0")
+    finally:
+        for transport in (bound, everywhere):
+            transport.shutdown()
+        server.shutdown()
+        lighthouse.shutdown()

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from paralm.config import Config
-from paralm.config_source import parse_overrides
+from paralm.config.load import load_config
+from paralm.config.schema import Config
+from paralm.config.source import parse_overrides
 from paralm.errors import UserError
-from paralm.load_config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,10 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["--train.micro_batch_size=0"], "train.micro_batch_size = 0 must be at least 1"),
         (["train.steps=3"], "overrides look like --section.field=value"),
         (["--train.steps"], "needs a value"),
+        (  # torchft averages on the device: offloaded shards would reach its NCCL group from the host
+            ["--sync.fault_tolerant=true", "--sync.ft_groups=2", "--parallel.zero=3", "--parallel.cpu_offload=true"],
+            "set parallel.cpu_offload = false",
+        ),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):

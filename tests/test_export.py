@@ -10,13 +10,13 @@ import json
 import pytest
 
 from paralm.cli import main
+from paralm.config.load import load_config
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import load_tokenizer
-from paralm.export import byte_tokenizer
 from paralm.generate import generate_from_run
-from paralm.load_config import load_config
+from paralm.hf.export import byte_tokenizer
+from paralm.job import train
 from paralm.runs import load_trained_model
-from paralm.train.trainer import train
 from tests.helpers import tiny_config
 from tests.hf_helpers import (
     EXPORTED_FILES,

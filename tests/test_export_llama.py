@@ -10,9 +10,9 @@ import json
 
 import pytest
 
+from paralm.config.load import load_config
 from paralm.evaluate import evaluate_run
-from paralm.load_config import load_config
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import read_metrics, tiny_config
 from tests.hf_helpers import (
     EXPORTED_FILES,

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from paralm.cli import main
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import tiny_config
 from tests.hf_helpers import (
     assert_a_saved_model_imports_with_the_same_logits_and_trains,

@@ -5,7 +5,7 @@ import torch
 
 from paralm import hardware
 from paralm.hardware import GPU_PEAK_FLOPS, device_peak, gpu_variant, startup_notes
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import tiny_config
 
 

@@ -12,24 +12,37 @@ import os
 import sys
 from pathlib import Path
 
-from paralm.errors import USER_ERROR_EXIT_CODE, Interrupted, UserError, refuse_overrides, to_launcher
+from paralm.errors import (
+    USER_ERROR_EXIT_CODE,
+    Interrupted,
+    UserError,
+    is_written_out,
+    refuse_overrides,
+    to_launcher,
+)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.parallel.lifeline import die_with_parent, running_under_launcher, started_by_launcher
+    from paralm.launch.lifeline import die_with_parent, running_under_launcher, started_by_launcher
 
     if started_by_launcher():  # before the seconds of importing torch: its launcher may die meanwhile
         die_with_parent()
-    from paralm.parallel.launch import launch_local_workers
+    from paralm.job import train
+    from paralm.launch.local import launch_local_workers
     from paralm.plan.auto import train_config
-    from paralm.train.trainer import train
 
+    if args.dry_run is not None:
+        from paralm.config.load import load_config
+        from paralm.plan.dry_run import dry_run
+
+        dry_run(load_config(args.config, overrides), args.dry_run)
+        return 0
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     if args.replicas:
         return _train_replicas(args, overrides)
     config, overrides = train_config(args.config, overrides, world_size)  # parallel.auto: the planner's layout
     if (args.nproc > 1 or args.max_restarts) and not running_under_launcher():
-        from paralm.parallel.dims import ParallelDims
+        from paralm.config.dims import ParallelDims
 
         ParallelDims.from_config(config.parallel, config.sync, args.nproc)  # fail before spawning
         argv = ["train", *_config_args(args), *overrides]
@@ -40,8 +53,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _train_replicas(args: argparse.Namespace, overrides: list[str]) -> int:
     """`--replicas R`: R fault-tolerant replica groups of `--nproc` ranks each, and their lighthouse."""
-    from paralm.load_config import load_config
-    from paralm.parallel.replica_launch import launch_replica_groups
+    from paralm.config.load import load_config
+    from paralm.launch.replicas import launch_replica_groups
 
     group = ["--sync.fault_tolerant=true", f"--sync.ft_groups={args.replicas}"]
     config = load_config(args.config, [*overrides, *group])  # refuse a bad config before starting anything
@@ -91,7 +104,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.export import export_run
+    from paralm.hf.export import export_run
 
     refuse_overrides("export", overrides)
     print(export_run(args.run, args.out, checkpoint=args.checkpoint))
@@ -99,7 +112,7 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _import(args: argparse.Namespace, overrides: list[str]) -> int:
-    from paralm.export import import_hf
+    from paralm.hf.export import import_hf
 
     print(import_hf(args.hf, args.out, args.config, overrides))
     return 0
@@ -178,7 +191,7 @@ def check_ranges(args: argparse.Namespace) -> None:
 
 def config_fields_help() -> str:
     """Every config field as `--section.field=DEFAULT  help`, grouped by section: what `train --help` ends with."""
-    from paralm.config import Config
+    from paralm.config.schema import Config
 
     lines = ["config fields (set in the TOML file or as --section.field=value):"]
     for section in dataclasses.fields(Config):
@@ -220,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="R fault-tolerant replica groups of --nproc ranks (torchft): a failed group is restarted (up to "
         "--max-restarts times) and rejoins while the others train on",
+    )
+    train.add_argument(
+        "--dry-run",
+        type=int,
+        metavar="N",
+        help="build the parallelized model as N ranks would, in this process on fake devices (no data, no "
+        "step), and write <run.dir>/dry_run.json: bytes each rank holds, measured and planned",
     )
     train.set_defaults(func=_train)
 
@@ -309,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_once("paralm: interrupted")
         return 130
     except Exception as e:  # a bug: its traceback follows; under --nproc the launcher learns when it happened
-        to_launcher(f"{type(e).__name__}: {e}")
+        if to_launcher(f"{type(e).__name__}: {e}") and is_written_out(e):
+            return 1  # a collective timed out: the launcher names who hung; the traceback is in the rank's files
         raise
 
 

@@ -5,9 +5,13 @@ does the job in torch 2.13.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ __all__ = [
     "dump_cuda_memory_snapshot",
     "flatten_mesh",
     "flight_recorder",
+    "init_fake_process_group",
     "record_cuda_memory_history",
     "replicate",
     "resolve_process_group",
@@ -83,6 +88,16 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """The default process group as rank `rank` of `world_size`, with no peers: torch's fake backend
+    answers every collective at once without moving data, so one process can build what any rank of a
+    large job builds (the dry run). It is registered by, and its store lives in, a private testing module."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
 def resolve_process_group(group_name: str) -> ProcessGroup:
     """The group a functional collective names (its ops take a group name, not a group, and the byte
     counter needs its size and this rank's place); `_resolve_process_group` is the only lookup."""
@@ -109,12 +124,14 @@ def step_unless_flagged(optimizer: torch.optim.Optimizer, flag: torch.Tensor) ->
         del optimizer.found_inf
 
 
-def weights_only_http_transport(timeout: timedelta) -> Any:
+def weights_only_http_transport(timeout: timedelta, host: str = "") -> Any:
     """torchft's HTTP checkpoint transport (a healthy replica group sends a recovering one its state), reading
     what arrives with torch's weights-only unpickler: torchft reads it with `weights_only=False`, so a
     peer's bytes could run code. Its `_load_from_address` is the one place that reads, and torch's
-    `_streaming_load` the only reader of the streaming format its sender writes."""
+    `_streaming_load` the only reader of the streaming format its sender writes. With `host`, it listens on
+    that address alone (torchft binds every interface and has no parameter for it) and says so to peers."""
     from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing import http_transport
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class WeightsOnlyHTTPTransport(HTTPTransport):
@@ -123,7 +140,52 @@ def weights_only_http_transport(timeout: timedelta) -> Any:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
 
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+        def address(self) -> str:
+            if not host:
+                return super().address()
+            return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    if not host:
+        return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+    class BoundServer(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def __init__(self, server_address: tuple[str, int], handler: Any) -> None:
+            super().__init__((host, 0), handler)
+
+    unbound = http_transport._IPv6HTTPServer  # the server class HTTPTransport builds in its constructor
+    http_transport._IPv6HTTPServer = BoundServer
+    try:
+        return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+    finally:
+        http_transport._IPv6HTTPServer = unbound
+
+
+@contextlib.contextmanager
+def torchft_manager_bound_to(host: str) -> Iterator[None]:
+    """A torchft `Manager` built inside listens on `host` alone (its server binds every interface, `[::]`,
+    and takes no address); empty: as torchft does."""
+    if not host:
+        yield
+        return
+    from torchft import manager
+
+    unbound = manager.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return unbound(**{**kwargs, "bind": f"{_url_host(host)}:{port}"})
+
+    manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        manager.ManagerServer = unbound
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paralm.dtypes import torch_dtype
+from paralm.config.dtypes import torch_dtype
 
 # Dense (no sparsity) peaks, FLOP/s, from NVIDIA's datasheets, per variant: the variants of one chip
 # differ by up to 25% (clocks, power, enabled SMs). The datasheets print tensor-core figures "with

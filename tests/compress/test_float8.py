@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paralm.errors import UserError
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import tiny_config
 
 

@@ -13,16 +13,17 @@ import math
 import pytest
 import torch
 
-from paralm.compress.layers import branch_layers, linear_names
-from paralm.compress.masks import saved_masks
 from paralm.compress.prune import magnitude_masks, prune_run, structured_masks
-from paralm.config import CONFIG_FILE
+from paralm.config.load import load_config
+from paralm.config.schema import CONFIG_FILE
+from paralm.convert.layers import branch_layers, linear_names
 from paralm.errors import UserError
-from paralm.load_config import load_config
+from paralm.job import train
 from paralm.models.registry import model_spec
+from paralm.param_server.run import refuse_pruned
 from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint
-from paralm.train.trainer import train
+from paralm.train.masked_state import saved_masks
 from tests.helpers import tiny_config, widened
 from tests.multiprocess import run_ranks
 
@@ -135,4 +136,31 @@ def test_bad_requests_are_one_line_errors_and_write_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no complete checkpoint"):
         prune_run(str(tmp_path / "empty"), 0.5, "magnitude", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_parameter_server_refuses_a_pruned_run(tmp_path):
+    """Its servers step the parameters without the masks: the pruned weights would grow back (seen: all 512
+    of a layer's after 4 steps), so a pruned run is refused in one line; a dense run is not."""
+    out = _pruned_run(tmp_path, "magnitude")
+    with pytest.raises(UserError, match="pruned run: the parameter server does not keep pruning masks"):
+        refuse_pruned(load_config(str(out / CONFIG_FILE), ["--sync.mode=parameter_server"]))
+    refuse_pruned(load_config(str(tmp_path / "base" / CONFIG_FILE), ["--sync.mode=parameter_server"]))
+
+
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_mixture_of_experts_layers_are_refused_not_skipped(tmp_path, family):
+    """An MoE block's experts are weight tensors, not linear layers: every compression path (magnitude and
+    structured pruning, quantization, QAT) refuses the model in one line instead of skipping the experts or
+    listing layers that are not there, and `paralm prune` writes nothing."""
+    model, config = _model(**family, moe_experts=4, moe_top_k=2)
+    spec = model_spec(config)
+    for compress in (lambda: linear_names(model, spec), lambda: structured_masks(model, 0.5, config)):
+        with pytest.raises(UserError, match="do not handle mixture-of-experts layers"):
+            compress()
+    base = tiny_config(tmp_path / "moe", model={**family, "moe_experts": 4, "moe_top_k": 2})
+    base.train.steps = 1
+    train(base)
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        prune_run(str(base.run.dir), 0.5, "magnitude", str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

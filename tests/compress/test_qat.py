@@ -19,15 +19,15 @@ import shutil
 import pytest
 import torch
 
-from paralm.compress.qat import apply_qat
 from paralm.compress.quantize import quantize_run
+from paralm.config.load import load_config
+from paralm.convert.qat import apply_qat
 from paralm.errors import UserError
 from paralm.evaluate import evaluate_run
-from paralm.load_config import load_config
+from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.runs import load_trained_model
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
-from paralm.train.trainer import train
 from tests.helpers import tiny_config
 
 TRAINED_ERROR = 0.005

@@ -13,18 +13,18 @@ the run's checkpoint.
 import pytest
 import torch
 
-from paralm.compress.layers import linear_names
 from paralm.compress.quantize import quantize_run
-from paralm.compress.quantized_run import WEIGHTS_FILE
-from paralm.compress.schemes import quantize_layers
+from paralm.convert.layers import linear_names
+from paralm.convert.schemes import quantize_layers
 from paralm.errors import UserError
 from paralm.evaluate import evaluate_run
-from paralm.export import export_run
 from paralm.generate import generate_from_run
+from paralm.hf.export import export_run
+from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.runs import load_trained_model
+from paralm.runs.quantized import WEIGHTS_FILE
 from paralm.train.checkpoint import latest_checkpoint
-from paralm.train.trainer import train
 from tests.helpers import tiny_config, widened
 
 ERROR = {"int8-weight": 0.025, "int8-dynamic": 0.03, "int8-dynamic-int4-weight": 0.45}

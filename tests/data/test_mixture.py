@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from paralm.data.mixture import MixedData, parse_mixture
+from paralm.config.mixture import parse_mixture
+from paralm.data.mixture import MixedData
 from paralm.data.prepare import prepare_dataset
 from paralm.data.sampler import BatchLayout
 from paralm.errors import UserError
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

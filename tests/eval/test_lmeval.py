@@ -11,9 +11,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from paralm.cli import main
 from paralm.data.prepare import prepare_dataset
-from paralm.export import export_run
+from paralm.errors import UserError
+from paralm.hf.export import export_run
+from paralm.job import train
 from paralm.lmeval.run import paralm_lm
-from paralm.train.trainer import train
 from tests.helpers import tiny_config
 
 TOPICS = sorted(__import__("pydoc_data.topics", fromlist=["topics"]).topics.items())
@@ -92,6 +93,17 @@ def test_the_adapter_scores_as_lm_eval_hf_model(run):
         assert abs(x - y) <= 1e-4
     until = _requests("generate_until", [("def f(", {"until": ["\n"], "max_gen_toks": 8})])
     assert mine.generate_until(until) == theirs.generate_until(until)
+    # lm-eval's other names for the length (normalised by its own helper), a stop string alone, no max_gen_toks
+    aliases = [("def f(", {"until": ["\n"], "max_new_tokens": 5}), ("x = ", {"until": ")", "max_tokens": 6})]
+    aliases.append(("if ", {"until": ["\n"], "max_completion_tokens": 7, "do_sample": False, "temperature": 0.5}))
+    assert mine.generate_until(_requests("generate_until", aliases)) == theirs.generate_until(
+        _requests("generate_until", aliases)
+    )
+    default = _requests("generate_until", [("def f(", {"until": ["\n"]})])  # 256 new tokens: no room for a prompt
+    with pytest.raises(AssertionError, match="must be less than"):
+        theirs.generate_until(default)
+    with pytest.raises(UserError, match="generated tokens, not fewer than the model's context"):
+        mine.generate_until(default)
 
 
 def _tasks(tmp):

@@ -3,7 +3,7 @@
 import pytest
 
 from paralm.cli import main
-from paralm.evidence.matrix import GLOBAL_BATCH, Layout, exact_layouts
+from paralm.evidence.matrix import GLOBAL_BATCH, CheckedLayout, exact_layouts
 from paralm.evidence.verify import Matrix, check_exact, table, verify
 
 
@@ -17,13 +17,16 @@ def test_verify_on_two_ranks_holds_for_sharded_tensor_and_pipeline_layouts(tmp_p
 
 @pytest.mark.slow
 def test_verify_holds_a_reduced_llama_matrix_with_grouped_query_attention_under_tp(tmp_path):
-    only = ["ddp", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b", "ps-sync-1s1w", "local-sgd-h1"]
+    only = ["ddp", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b", "cp2-ring", "ps-sync-1s1w"]
+    only.append("local-sgd-h1")
     verdicts = verify(2, only, tmp_path, echo=lambda _: None, families=["llama"])
     assert {v.family for v in verdicts} == {"llama"}
     assert [v.layout for v in verdicts] == [
-        "ddp", "ddp-compression-none", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b",
+        "ddp", "ddp-compression-none", "zero2", "zero3", "tp2-sp", "pp2-1f1b", "pp2-interleaved_1f1b", "cp2-ring",
         "ps-sync-1s1w", "local-sgd-h1",
     ]  # fmt: skip
+    cp = next(v for v in verdicts if v.layout == "cp2-ring")  # exact, and sent the ring's k/v traffic beyond ddp's
+    assert "bytes/step beyond ddp: 1572864, the planner's cp bytes 1572864" in cp.measured
     for v in verdicts:
         gaps = [g for g in (v.loss_gap, v.grad_norm_gap, v.weight_gap) if g is not None]
         assert v.holds and len(gaps) >= 2 and max(gaps) <= 1e-5, table(verdicts)
@@ -32,7 +35,7 @@ def test_verify_holds_a_reduced_llama_matrix_with_grouped_query_attention_under_
 @pytest.mark.slow
 def test_a_layout_that_trains_differently_fails_the_check(tmp_path):
     matrix = Matrix(tmp_path, echo=lambda _: None)
-    different = Layout("ddp-other-lr", 2, {"train.lr": 0.31})  # a 3% change of the learning rate
+    different = CheckedLayout("ddp-other-lr", 2, {"train.lr": 0.31})  # a 3% change of the learning rate
     verdict = check_exact(matrix, different)
     assert not verdict.holds and verdict.weight_gap > 1e-4
     assert "FAILS" in table([verdict])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from paralm.config.load import load_config
 from paralm.errors import UserError
-from paralm.load_config import load_config
 from paralm.models.config import ModelConfig
 from paralm.models.llama import Llama
 from paralm.models.llama_spec import SPEC

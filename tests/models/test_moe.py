@@ -120,7 +120,7 @@ def test_moe_settings_that_cannot_run_are_one_line_errors() -> None:
         check_moe(ModelConfig(moe_experts=4, moe_score="relu"))
 
 
-BALANCE_STEPS = 50  # the figure the README states
+BALANCE_STEPS = 50  # the figure docs/strategies.md states
 
 
 def test_loss_free_balancer_evens_out_a_router_biased_to_one_expert() -> None:

@@ -25,6 +25,7 @@ def test_a_hung_rank_is_named_and_every_rank_writes_its_stack(tmp_path, nproc):
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     took = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # the launcher's line tells it
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("paralm: rank 1 did not reach the collective (all_reduce, step 0): it was in "), line
     assert "parallel/straggler.py" in line and line.endswith(f"stacks in {run_dir / 'hang'}/")

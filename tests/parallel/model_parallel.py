@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime, init_runtime, shutdown
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for
@@ -21,20 +24,28 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def one_step(config: Config, runtime: Runtime) -> tuple[float, dict[str, torch.Tensor]]:
-    """The first step's global-batch loss and this rank's gradients, without updating anything."""
+# Given a trainer before its first step, what a test wants to know of that step: a function called after it.
+Watch = Callable[[Trainer], Callable[[], Any]]
+
+
+def one_step(config: Config, runtime: Runtime, watch: Watch | None = None) -> tuple:
+    """The first step's global-batch loss and this rank's gradients, without updating anything; with `watch`,
+    what it observed of the step as a third item."""
     trainer = Trainer(config, runtime)
+    observed = watch(trainer) if watch else None
     loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
     loss = runtime.all_reduce(loss) / runtime.dims.loss_replicas
-    return loss.item(), full_gradients(trainer.engine.model)
+    grads = full_gradients(trainer.engine.model)
+    return (loss.item(), grads, observed()) if observed else (loss.item(), grads)
 
 
-def gradients_then_training(configs: list[Config]) -> list[tuple[float, dict[str, torch.Tensor]]]:
-    """For each config (all with the same degrees): one step's loss and gradients, then a full run."""
+def gradients_then_training(configs: list[Config], watch: Watch | None = None) -> list[tuple]:
+    """For each config (all with the same degrees): one step's loss and gradients (and what `watch` saw of
+    it), then a full run."""
     runtime = init_runtime(configs[0].parallel, configs[0].sync)
     results = []
     for config in configs:
-        results.append(one_step(config, runtime_for(config, runtime)))
+        results.append(one_step(config, runtime_for(config, runtime), watch))
         train_on(config, runtime_for(config, runtime))
     shutdown(runtime)
     return results

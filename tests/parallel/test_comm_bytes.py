@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from paralm.compat import current_dispatch_mode
+from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.comm_stats import SUMMARY_FILE
 from paralm.parallel.parallelize import ParallelPlan
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -11,7 +11,7 @@ bounds that, while a wrong gradient moves weights by ~1e-2 at lr 0.5.
 import pytest
 import torch
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.test_zero import train_and_gather

@@ -26,13 +26,13 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from paralm.config import CommConfig
+from paralm.config.schema import CommConfig
+from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.models.loss import cross_entropy_loss
-from paralm.parallel.compression import register_compression
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train.trainer import train
+from paralm.sync.compression import register_compression
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

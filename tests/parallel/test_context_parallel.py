@@ -15,11 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paralm.config import Config
-from paralm.degrees import resolve_data_parallel
+from paralm.config.degrees import resolve_data_parallel
+from paralm.config.load import load_config
+from paralm.config.schema import Config
 from paralm.errors import UserError
-from paralm.load_config import load_config
+from paralm.job import train
 from paralm.models.kv_cache import attend
+from paralm.models.registry import model_spec
 from paralm.parallel.comm_stats import CommStats
 from paralm.parallel.context.alltoall import AllToAllAttention
 from paralm.parallel.context.layout import SequenceShard
@@ -28,7 +30,6 @@ from paralm.parallel.runtime import init_runtime
 from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout as PlanLayout
 from paralm.plan.layout import Workload
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import (
@@ -113,9 +114,33 @@ def _config(path, model, parallel=None, train_fields=None):
     return dataclasses.replace(config, train=dataclasses.replace(config.train, **(train_fields or {})))
 
 
+def cp_evidence(trainer):
+    """What makes a run context-parallel on this rank: the sequence length each forward of the step saw (its
+    share of the positions) and the attention every block runs."""
+    model, spec = trainer.engine.model, model_spec(trainer.config.model)
+    lengths = []
+    hook = model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+
+    def observed():
+        hook.remove()
+        blocks = model.get_submodule(spec.blocks).values()
+        return lengths, {type(block.get_submodule(spec.attention).attend).__name__ for block in blocks}
+
+    return observed
+
+
+def _gradients_with_cp_evidence(configs):
+    return gradients_then_training(configs, watch=cp_evidence)
+
+
+ATTENTION = {"ring": "RingAttention", "alltoall": "AllToAllAttention"}
+
+
 def _assert_equal_to_one_process(tmp_path, ranks, model, variants):
     """Each variant (name, parallel fields, train fields) against one process with the same train fields
-    (the same global batch); returns the references by train fields."""
+    (the same global batch); returns the references by train fields. Each run must also be context-parallel:
+    every forward saw block_size / cp positions, and every block attends across ranks by its cp method
+    (replicated compute on whole sequences would match one process too)."""
     references = {}
     for _, _, train_fields in variants:
         key = tuple(sorted(train_fields.items()))
@@ -125,11 +150,14 @@ def _assert_equal_to_one_process(tmp_path, ranks, model, variants):
             train(reference)
             references[key] = (reference, loss, grads)
     configs = [_config(tmp_path / name, model, parallel, fields) for name, parallel, fields in variants]
-    per_rank = run_ranks(gradients_then_training, ranks, tmp_path, configs)
+    per_rank = run_ranks(_gradients_with_cp_evidence, ranks, tmp_path, configs)
     for i, (config, (_, _, train_fields)) in enumerate(zip(configs, variants, strict=True)):
         reference, loss, grads = references[tuple(sorted(train_fields.items()))]
         for results in per_rank:
-            rank_loss, rank_grads = results[i]
+            rank_loss, rank_grads, (lengths, attention) = results[i]
+            p = config.parallel
+            assert lengths and set(lengths) == {config.model.block_size // p.cp}, (config.run.dir, lengths)
+            assert attention == {ATTENTION[p.cp_method]}, (config.run.dir, attention)
             assert abs(rank_loss - loss) < 1e-5, config.run.dir
             assert_gradients_match(grads, rank_grads, atol=1e-5)
         assert_runs_match(reference, config, atol=1e-5)

@@ -166,7 +166,7 @@ def _collect_state(*args, **kwargs):
 
 
 def _train(config):
-    from paralm.train.trainer import train
+    from paralm.job import train
 
     with (
         Discipline().active() as discipline,
@@ -181,9 +181,9 @@ def _hooks(config):
     """The compression hooks on a meta bucket of a 2-rank job."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from paralm.parallel import compression
-    from paralm.parallel.bucket_state import BucketState
     from paralm.parallel.runtime import init_runtime, shutdown
+    from paralm.sync import compression
+    from paralm.sync.bucket_state import BucketState
 
     with Discipline().active() as discipline:
         runtime = init_runtime(config.parallel, config.sync)

@@ -1,8 +1,8 @@
 import pytest
 
-from paralm.config import ParallelConfig, SyncConfig
+from paralm.config.dims import ParallelDims
+from paralm.config.schema import ParallelConfig, SyncConfig
 from paralm.errors import UserError
-from paralm.parallel.dims import ParallelDims
 
 
 def dims(world_size: int, **fields) -> ParallelDims:

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from paralm.config import Config
+from paralm.config.dims import ParallelDims
+from paralm.config.rules import validate
+from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.moe import local, moe_layers
-from paralm.parallel.dims import ParallelDims
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.rules import validate
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
@@ -129,6 +129,14 @@ def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
 def test_moe_layouts_that_cannot_run_are_one_line_errors(tmp_path, model, parallel, train, fragment):
     config = tiny_config(tmp_path, model={**MOE, **model} if model else {}, parallel=parallel, train=train)
     with pytest.raises(UserError, match=re.escape(fragment)):
+        validate(config)
+
+
+def test_the_parameter_server_refuses_moe_models(tmp_path):
+    """Its servers step the parameters: the loss-free balancing bias would never move and the routing metrics
+    would vanish (seen at ep = 1 before this rule), so MoE with the parameter server is one line."""
+    config = tiny_config(tmp_path, model=MOE, sync={"mode": "parameter_server", "ps_servers": 1})
+    with pytest.raises(UserError, match="sync.mode = 'parameter_server' is not supported with model.moe_experts"):
         validate(config)
 
 

@@ -130,3 +130,17 @@ def test_killed_group_is_restarted_and_heals(tmp_path):
     assert len(rejoined) < TOTAL + 4 and rejoined[-1]["step"] == TOTAL - 1
     final = [rows[-1]["val_loss"] for rows in (*survivors, rejoined)]
     assert final[1] == pytest.approx(final[0], abs=1e-6) and final[2] == pytest.approx(final[0], abs=1e-6)
+
+
+def test_groups_resume_from_the_run_folders_checkpoint(tmp_path):
+    """A run trained without replicas (or imported, or pruned) and continued with `--replicas 2` goes on from
+    its checkpoint in every group, says so once per group, and the finished replica run reads back as a run
+    (`paralm eval`, `export`, `generate` load it through `load_trained_model`)."""
+    from paralm.runs import load_trained_model
+
+    _finish(_train(tmp_path, "--train.steps=2", "--train.eval_every=0"))
+    out = _finish(_train(tmp_path, "--train.steps=3", "--train.eval_every=0", "--replicas", "2"))
+    assert "replica group 0 resumes from" in out and "step_000002" in out
+    for g in range(2):
+        assert [r["step"] for r in _rows(tmp_path / f"group-{g}") if "loss" in r] == [2]
+    assert load_trained_model(tmp_path).checkpoint.name == "step_000003"

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paralm.errors import UserError
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.parallel.zero1 import ZeroOne
+from paralm.sync.zero1 import ZeroOne
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
@@ -24,7 +24,7 @@ def _fit(config):
     wrapped = {
         "distributed": dist.is_initialized() and runtime.mesh is not None,
         "ddp": isinstance(trainer.engine.module, DistributedDataParallel),
-        "zero1": isinstance(trainer.engine.plan.sync, ZeroOne),
+        "zero1": isinstance(trainer.engine.sync, ZeroOne),
         "fsdp": isinstance(trainer.engine.module, FSDPModule),
     }
     shutdown(runtime)

@@ -7,8 +7,8 @@ test_tensor_parallel: rounding only, 1e-6 on one step's loss and gradients, 1e-5
 
 import pytest
 
+from paralm.job import train
 from paralm.parallel.runtime import init_runtime
-from paralm.train.trainer import train
 from tests.helpers import tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import (

@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from paralm.errors import FAILED_AT_FIELD
-from paralm.parallel.launch import _report_failure, in_order_of_failure
+from paralm.launch.local import _report_failure, in_order_of_failure
 
 
 def _failure(tmp_path: Path, rank: int, exitcode: int, record: dict | None = None) -> ProcessFailure:

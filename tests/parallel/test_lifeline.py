@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paralm.parallel.lifeline import PARENT_ENV
+from paralm.launch.lifeline import PARENT_ENV
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
 
@@ -57,7 +57,7 @@ _MIDDLE = textwrap.dedent(
     """
 )
 _CHILD = (
-    "import sys, time; from paralm.parallel.lifeline import die_with_parent; die_with_parent({kernel}); "
+    "import sys, time; from paralm.launch.lifeline import die_with_parent; die_with_parent({kernel}); "
     "print('armed', flush=True); time.sleep(60)"
 )
 

@@ -9,9 +9,10 @@ loss and every gradient entry, 1e-5 on the losses and gradient norms of 5 AdamW 
 import pytest
 from torch.distributed.tensor import Shard
 
+from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.parallel.tensor import local_value
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, one_step

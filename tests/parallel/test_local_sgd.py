@@ -16,10 +16,11 @@
 import pytest
 import torch
 
+from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 
@@ -110,7 +111,7 @@ def _around_syncs(config):
     """The initial parameters, then for each step this rank's replica before the sync and after it."""
     runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
-    sync, model = trainer.engine.plan.sync, trainer.engine.model
+    sync, model = trainer.engine.sync, trainer.engine.model
 
     def params():
         return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()

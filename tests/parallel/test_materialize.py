@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.models.gpt2 import GPT
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.runtime import init_runtime, shutdown

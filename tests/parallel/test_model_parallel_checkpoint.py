@@ -9,7 +9,7 @@ test_tensor_parallel), 1e-5.
 import pytest
 
 from paralm.generate import generate_from_run
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import train_each

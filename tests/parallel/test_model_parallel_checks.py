@@ -5,8 +5,8 @@ import re
 import pytest
 
 from paralm.cli import main
+from paralm.config.load import load_config
 from paralm.errors import UserError
-from paralm.load_config import load_config
 
 
 @pytest.mark.parametrize(

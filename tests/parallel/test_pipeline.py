@@ -12,11 +12,12 @@ from unittest import mock
 import pytest
 import torch
 
-from paralm.config import PIPELINE_SCHEDULES
+from paralm.config.schedules import fewest_stages_per_rank
+from paralm.config.schema import PIPELINE_SCHEDULES
+from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.pipeline_schedules import fewest_stages_per_rank
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import (

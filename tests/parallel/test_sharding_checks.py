@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
 from paralm.errors import USER_ERROR_EXIT_CODE, UserError
-from paralm.load_config import load_config
-from paralm.parallel.dims import ParallelDims
 
 
 @pytest.mark.parametrize(

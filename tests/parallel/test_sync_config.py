@@ -3,10 +3,10 @@
 import pytest
 
 from paralm.cli import main
-from paralm.config import ParallelConfig, SyncConfig
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
+from paralm.config.schema import ParallelConfig, SyncConfig
 from paralm.errors import UserError
-from paralm.load_config import load_config
-from paralm.parallel.dims import ParallelDims
 
 
 @pytest.mark.parametrize(

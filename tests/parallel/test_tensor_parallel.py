@@ -10,8 +10,9 @@ gradient norms of 5 AdamW steps (rounding grows a little through the updates).
 import pytest
 from torch.distributed.tensor import DTensor, Shard
 
+from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import assert_gradients_match, assert_runs_match, one_step

@@ -7,6 +7,7 @@ test_llama_parallel.py keep their exact comparisons.
 """
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paralm.config.schema import SyncConfig
+from paralm.job import train
+from paralm.parallel.parallelize import ParallelPlan
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.parallel.tensor import local_value
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import full_gradients
@@ -155,3 +159,20 @@ def test_a_resumed_tensor_parallel_run_with_dropout_equals_the_uninterrupted_one
     a, b = read_metrics(straight.run.dir), read_metrics(resumed.run.dir)
     assert [r["step"] for r in b] == list(range(6))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_replica_groups_draw_the_masks_of_one_job_over_all_their_ranks():
+    """Rank r of fault-tolerant replica group g seeds dropout as rank g x N + r of one job of R x N ranks: the
+    groups together are data parallelism over all their ranks, not R copies of one group's masks."""
+
+    def draw(rank: int, world_size: int, group: int = 0, groups: int = 1) -> torch.Tensor:
+        sync = SyncConfig(fault_tolerant=groups > 1, ft_groups=groups, ft_group=group)
+        runtime = SimpleNamespace(rank=rank, world_size=world_size, dims=SimpleNamespace(tp=1))
+        plan = ParallelPlan(None, None, None, runtime, sync, tied=(), scaler_group=None)
+        plan.before_step(seed=7, step=3)
+        return torch.rand(8)
+
+    one_job = [draw(rank, 4) for rank in range(4)]
+    two_groups = [draw(rank, 2, group, 2) for group in range(2) for rank in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(one_job, two_groups, strict=True))
+    assert not torch.equal(two_groups[0], two_groups[2])  # rank 0 of each group: different masks

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.models.gpt2 import GPT
 from paralm.models.loss import cross_entropy_loss
 from paralm.parallel.ddp import gradient_sync
@@ -175,7 +175,7 @@ def _zero1_exchange_with_padding() -> tuple[dict[str, torch.Tensor], dict[str, t
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paralm.parallel.zero1 import ZeroOne
+    from paralm.sync.zero1 import ZeroOne
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

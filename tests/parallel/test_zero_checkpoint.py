@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
+from paralm.job import train
 from paralm.train.checkpoint import checkpoint_dir
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from paralm.job import train
 from paralm.parallel.runtime import select_device
 from paralm.param_server import shard as shard_module
 from paralm.param_server.protocol import Tag, recv_object, send_object, server_device
 from paralm.train.checkpoint import latest_checkpoint, read_trainer_state
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -15,7 +15,7 @@ from paralm.plan.auto import calibration_path, choose_layouts, describe, train_c
 from paralm.plan.cluster import PRESETS, GiB
 from paralm.plan.layout import Workload
 from paralm.plan.request import LAYOUT_FIELDS, load_request
-from paralm.plan.search import Plan, evaluate
+from paralm.plan.search import Prediction, evaluate
 from tests.plan.helpers import layout
 
 TINY = ["--config", "configs/tiny.toml", "--model.n_layer=2"]
@@ -215,7 +215,7 @@ def test_candidates_differing_in_chunks_per_rank_read_differently() -> None:
     config, _ = load_request(None, ["--model.n_layer=8"])  # 8 stages at v4
     work, cluster = Workload.from_config(config, 8, "paper"), PRESETS["h100"].with_devices(4)
 
-    def plan(chunks: int) -> Plan:
+    def plan(chunks: int) -> Prediction:
         lay = layout(dp_shard=2, pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=2, pp_virtual_stages=chunks)
         return evaluate(lay, work, cluster)
 

@@ -3,12 +3,14 @@ import dataclasses
 import pytest
 
 from paralm.errors import UserError
-from paralm.hardware import GPU_PEAK_FLOPS
+from paralm.hardware import GPU_PEAK_FLOPS, gpu_variant
 from paralm.plan.cluster import PRESETS, load_cluster, parse_cluster
 
 
 def test_presets_take_their_peaks_from_the_one_table() -> None:
-    assert PRESETS["h100"].peak_flops is GPU_PEAK_FLOPS["H100"]
+    """The training dtypes' peaks from hardware's table; Hopper presets add the datasheet's FP8 (float8)."""
+    assert PRESETS["h100"].peak_flops == {**GPU_PEAK_FLOPS["H100"], "fp8": gpu_variant("H100").peaks["fp8"]}
+    assert "fp8" not in PRESETS["a100-80gb"].peak_flops
     assert PRESETS["a100-40gb"].peak("bf16") == GPU_PEAK_FLOPS["A100"]["bf16"]
 
 

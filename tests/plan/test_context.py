@@ -2,7 +2,7 @@
 
 import pytest
 
-from paralm.load_config import load_config
+from paralm.config.load import load_config
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
 from paralm.plan.memory import device_memory

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from paralm.cli import main
-from paralm.load_config import load_config
+from paralm.config.load import load_config
 from paralm.models.registry import model_shape
 from paralm.plan.cluster import load_cluster
 from tests.plan.helpers import MODEL_7B

@@ -1,8 +1,8 @@
 import pytest
 
-from paralm.config import PIPELINE_SCHEDULES, Config
+from paralm.config.rules import microbatch_problem
+from paralm.config.schema import PIPELINE_SCHEDULES, Config
 from paralm.plan.schedules import SCHEDULES
-from paralm.rules import microbatch_problem
 
 
 def test_every_configurable_schedule_has_a_cost_model() -> None:

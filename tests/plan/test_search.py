@@ -2,15 +2,15 @@ import dataclasses
 
 import pytest
 
-from paralm.degrees import resolve_data_parallel
+from paralm.config.degrees import resolve_data_parallel
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
+from paralm.config.rules import microbatch_problem, validate
 from paralm.errors import UserError
-from paralm.load_config import load_config
-from paralm.parallel.dims import ParallelDims
 from paralm.plan.cluster import parse_cluster
 from paralm.plan.layout import Workload
 from paralm.plan.request import load_request
 from paralm.plan.search import evaluate, search
-from paralm.rules import microbatch_problem, validate
 from tests.plan.helpers import MODEL_7B
 
 
@@ -86,7 +86,7 @@ def test_every_layout_is_a_config_paralm_accepts(tmp_path) -> None:
 
 
 def test_every_plan_passes_paralms_rules() -> None:
-    """The search has no rules of its own: every layout it proposes passes `paralm.rules` whole."""
+    """The search has no rules of its own: every layout it proposes passes `paralm.config.rules` whole."""
     config, plans = _search([*MODEL_7B, "--train.global_batch_size=128"])
     assert {p.layout.pp for p in plans} > {1} and {p.layout.tp for p in plans} > {1}
     for plan in plans:

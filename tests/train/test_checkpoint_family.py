@@ -6,8 +6,8 @@ import pytest
 import paralm.train.checkpoint as checkpoint_module
 from paralm.cli import main
 from paralm.errors import UserError
+from paralm.job import train
 from paralm.train.checkpoint import checkpoint_model_config, latest_checkpoint
-from paralm.train.trainer import train
 from tests.helpers import tiny_config
 
 LLAMA = {"family": "llama", "n_kv_heads": 1}

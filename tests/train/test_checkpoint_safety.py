@@ -16,10 +16,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from paralm.errors import UserError
+from paralm.job import train
 from paralm.train.checkpoint import latest_checkpoint, resolve_checkpoint
 from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
 from paralm.train.integrity import write_manifest
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 
 

@@ -9,8 +9,9 @@ gradients.
 import pytest
 import torch
 
+from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -5,8 +5,8 @@ run and load), so no bound on it would catch a wrong measurement without failing
 
 import pytest
 
+from paralm.job import train
 from paralm.train.memory import StateBytes, ZeroPrediction
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 
 PSI, N = 1_000_000, 8

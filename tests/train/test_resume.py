@@ -2,8 +2,8 @@
 
 import pytest
 
+from paralm.job import train
 from paralm.train.checkpoint import latest_checkpoint, read_trainer_state
-from paralm.train.trainer import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -11,11 +11,12 @@ import shutil
 import pytest
 import torch
 
+from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.parallel.sync import SyncStrategy, TrainingState
+from paralm.sync.base import SyncStrategy, TrainingState
 from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
-from paralm.train.trainer import Trainer, train
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

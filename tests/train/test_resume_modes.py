@@ -11,7 +11,7 @@ import math
 import pytest
 
 from paralm.errors import UserError
-from paralm.train.trainer import train
+from paralm.job import train
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -23,8 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from paralm.data.sampler import BatchLayout
-from paralm.parallel.compression import CountedPowerSGD
 from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.sync.compression import CountedPowerSGD
 from paralm.train.engine import StepEngine, pins_host_memory
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
@@ -73,14 +73,14 @@ def _state(trainer: Trainer) -> dict:
     """Everything a step may change: the checkpoint's tensors (model, optimizer, sync strategy; not the
     hyperparameters the schedule sets), DiLoCo's anchor, PowerSGD's counter and random state, the loss
     scaler's state."""
-    flat, todo = {}, list(trainer.engine.plan.checkpoint_state(trainer.optimizer).state_dict().items())
+    flat, todo = {}, list(trainer.engine.checkpoint_state(trainer.optimizer).state_dict().items())
     while todo:
         key, value = todo.pop()
         if isinstance(value, dict):
             todo += [(f"{key}.{k}", v) for k, v in value.items()]
         elif isinstance(value, torch.Tensor):
             flat[key] = _local(value)
-    sync = trainer.engine.plan.sync
+    sync = trainer.engine.sync
     flat |= {f"anchor.{i}": _local(a) for i, a in enumerate(getattr(sync, "anchor", []))}
     if isinstance(getattr(sync, "hook_state", None), CountedPowerSGD):
         psgd = sync.hook_state.powersgd

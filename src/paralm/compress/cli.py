@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paralm.compress.schemes import SCHEMES
+from paralm.convert.schemes import SCHEMES
 from paralm.errors import refuse_overrides
 
 

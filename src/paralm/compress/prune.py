@@ -6,7 +6,7 @@ emptied and every layer ends with the same sparsity). Structured pruning removes
 branch (`ModelSpec.branches`: attention heads, or key/value groups under GQA; MLP channels): per block
 the fraction `sparsity` of units with the smallest L2 norm over their rows in the input projections
 (weights and biases) and their columns in the output projection is zeroed in all of them.
-The masks go into the checkpoint (`paralm.compress.masks`), so `paralm train` keeps them on any layout.
+The masks go into the checkpoint (`paralm.convert.masks`), so `paralm train` keeps them on any layout.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paralm.compress.layers import branch_layers, linear_names
-from paralm.compress.masks import MaskedState, Masks
-from paralm.compress.quantized_run import refuse_quantized
-from paralm.config import CONFIG_FILE, ParallelConfig, SyncConfig
+from paralm.config.load import load_config
+from paralm.config.schema import CONFIG_FILE, ParallelConfig, SyncConfig
+from paralm.convert.layers import branch_layers, linear_names
+from paralm.convert.masks import Masks
 from paralm.errors import UserError
-from paralm.export import atomic_folder, fresh_optimizer_state
-from paralm.load_config import load_config
 from paralm.models.config import ModelConfig
 from paralm.models.registry import model_spec
 from paralm.models.spec import Branch
 from paralm.parallel.runtime import init_runtime
-from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.runs import load_trained_model
+from paralm.runs.quantized import refuse_quantized
+from paralm.runs.write import atomic_folder, fresh_optimizer_state
+from paralm.sync.base import SyncStrategy, TrainingState
 from paralm.train.checkpoint import save_checkpoint, trainer_state
+from paralm.train.masked_state import MaskedState
 
 METHODS = ("magnitude", "structured")
 

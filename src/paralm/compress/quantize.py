@@ -1,20 +1,20 @@
 """`paralm quantize`: a run's latest checkpoint, its blocks' linear layers quantized by torchao, as a
-run folder that `paralm eval` and `paralm generate` load (`paralm.compress.quantized_run`)."""
+run folder that `paralm eval` and `paralm generate` load (`paralm.runs.quantized`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from paralm.compress.layers import linear_names
-from paralm.compress.quantized_run import QUANTIZED_FILE, WEIGHTS_FILE, parts, refuse_quantized
-from paralm.compress.schemes import check_scheme, quantize_layers
-from paralm.config import CONFIG_FILE
+from paralm.config.schema import CONFIG_FILE
+from paralm.convert.layers import linear_names
+from paralm.convert.schemes import check_scheme, quantize_layers
 from paralm.errors import UserError
-from paralm.export import atomic_folder
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
 from paralm.runs import load_trained_model
+from paralm.runs.quantized import QUANTIZED_FILE, WEIGHTS_FILE, parts, refuse_quantized
+from paralm.runs.write import atomic_folder
 
 
 def quantize_run(run_dir: str, scheme: str, out: str, checkpoint: str | None = None) -> str:

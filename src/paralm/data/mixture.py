@@ -9,12 +9,10 @@ samples each source has given so far are recorded in the checkpoint's trainer st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import torch
 
+from paralm.config.mixture import Source
 from paralm.data.sampler import sample_windows, uniform_at, windows_at
 from paralm.data.shards import TokenDataset
 from paralm.data.tokenizer import BPE_FILE
@@ -23,37 +21,6 @@ from paralm.errors import UserError
 # The source choice draws from its own stream, apart from every source's windows.
 MIX_SEED_OFFSET = 2_000_003
 COUNT_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class Source:
-    path: Path
-    weight: float
-    name: str
-
-
-def parse_mixture(entries: list[str]) -> list[Source]:
-    """`PATH:WEIGHT` entries as sources with normalised weights; bad entries are one-line errors."""
-    parsed = []
-    for entry in entries:
-        path, sep, weight = entry.rpartition(":")
-        try:
-            value = float(weight) if sep and path else None
-        except ValueError:
-            value = None
-        if value is None or not np.isfinite(value):
-            raise UserError(f"data.mixture entry {entry!r} is not PATH:WEIGHT: write e.g. data/a:0.7")
-        if value < 0:
-            raise UserError(f"data.mixture weight of {path} is negative ({weight}): weights must be >= 0")
-        parsed.append((Path(path), value))
-    total = sum(w for _, w in parsed)
-    if total <= 0:
-        raise UserError("data.mixture weights sum to zero: give at least one source a positive weight")
-    names = [p.name or str(p) for p, _ in parsed]
-    return [
-        Source(p, w / total, n if names.count(n) == 1 else f"{n}.{i}")
-        for i, ((p, w), n) in enumerate(zip(parsed, names, strict=True))
-    ]
 
 
 class MixedData:

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from paralm.config import DataConfig
+from paralm.config.mixture import Source, parse_mixture
+from paralm.config.schema import DataConfig
 from paralm.data.corpus import default_corpus
-from paralm.data.mixture import Source, parse_mixture
 from paralm.data.shards import (
     FORMAT_VERSION,
     MARKER,
@@ -33,7 +33,7 @@ from paralm.data.tokenize_pool import Encoded, Encoding, encode_stream
 from paralm.data.tokenizer import BPE_FILE, SPECIALS_FILE, BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
-from paralm.parallel.lifeline import process_alive
+from paralm.launch.lifeline import process_alive
 
 
 def write_dataset(

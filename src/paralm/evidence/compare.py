@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
 from paralm.errors import UserError
 from paralm.evidence.runner import Run, max_gap, step_rows, train_run
-from paralm.load_config import load_config
-from paralm.parallel.dims import ParallelDims
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"

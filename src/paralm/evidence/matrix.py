@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paralm.config.schedules import PIPELINE_SCHEDULES, fewest_stages_per_rank
 from paralm.models.config import ModelConfig
-from paralm.pipeline_schedules import PIPELINE_SCHEDULES, fewest_stages_per_rank
 
 
 def _toml(value: object) -> str:
@@ -53,7 +53,7 @@ COMMON_ARGS = [
 
 
 @dataclass
-class Layout:
+class CheckedLayout:
     name: str
     ranks: int
     settings: dict[str, object]  # section.field: value
@@ -85,23 +85,23 @@ def name_matches(name: str, word: str) -> bool:
     return word == name or any(part.startswith(word) for part in name.split("-"))
 
 
-def reference_layout() -> Layout:
-    return Layout("one process", 1, {})
+def reference_layout() -> CheckedLayout:
+    return CheckedLayout("one process", 1, {})
 
 
-def exact_layouts(n: int) -> list[Layout]:
+def exact_layouts(n: int) -> list[CheckedLayout]:
     """Every exact strategy that fits on n ranks (n >= 2)."""
-    layouts = [Layout("ddp", n, {}, tags=("dp",))]
+    layouts = [CheckedLayout("ddp", n, {}, tags=("dp",))]
     layouts.append(
-        Layout("ddp-compression-none", n, {"comm.compression": "none", "comm.bucket_mb": 0.01}, tags=("dp",))
+        CheckedLayout("ddp-compression-none", n, {"comm.compression": "none", "comm.bucket_mb": 0.01}, tags=("dp",))
     )
-    layouts += [Layout(f"zero{stage}", n, {"parallel.zero": stage}) for stage in (1, 2, 3)]
+    layouts += [CheckedLayout(f"zero{stage}", n, {"parallel.zero": stage}) for stage in (1, 2, 3)]
     if n >= 4 and n % 2 == 0:
         hsdp = {"parallel.zero": 3, "parallel.dp_replicate": 2, "parallel.dp_shard": n // 2}
-        layouts.append(Layout(f"hsdp-2x{n // 2}", n, hsdp, tags=("zero",)))
+        layouts.append(CheckedLayout(f"hsdp-2x{n // 2}", n, hsdp, tags=("zero",)))
     if n % 2 == 0:
-        layouts.append(Layout("tp2", n, {"parallel.tp": 2}))
-        layouts.append(Layout("tp2-sp", n, {"parallel.tp": 2, "parallel.sequence_parallel": True}, tags=("tp",)))
+        layouts.append(CheckedLayout("tp2", n, {"parallel.tp": 2}))
+        layouts.append(CheckedLayout("tp2-sp", n, {"parallel.tp": 2, "parallel.sequence_parallel": True}, tags=("tp",)))
         for schedule in PIPELINE_SCHEDULES:
             pipeline = {
                 "parallel.pp": 2,
@@ -109,23 +109,33 @@ def exact_layouts(n: int) -> list[Layout]:
                 "parallel.pp_virtual_stages": fewest_stages_per_rank(schedule),
                 "parallel.pp_microbatches": 4,
             }
-            layouts.append(Layout(f"pp2-{schedule}", n, pipeline))
+            layouts.append(CheckedLayout(f"pp2-{schedule}", n, pipeline))
         for method in ("ring", "alltoall"):
-            layouts.append(Layout(f"cp2-{method}", n, {"parallel.cp": 2, "parallel.cp_method": method}, tags=("cp",)))
+            layouts.append(
+                CheckedLayout(f"cp2-{method}", n, {"parallel.cp": 2, "parallel.cp_method": method}, tags=("cp",))
+            )
     if n >= 4 and n % 4 == 0:
-        layouts.append(Layout(f"2d-tp2-dp{n // 2}", n, {"parallel.tp": 2}, tags=("tp", "dp")))
-        layouts.append(Layout(f"2d-zero3-tp2-dp{n // 2}", n, {"parallel.tp": 2, "parallel.zero": 3}, tags=("tp",)))
-        layouts.append(Layout(f"2d-pp2-dp{n // 2}", n, {"parallel.pp": 2, "parallel.pp_microbatches": 4}))
-        layouts.append(Layout("2d-pp2-tp2", 4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4}))
-        layouts.append(Layout(f"2d-cp2-zero3-dp{n // 2}", n, {"parallel.cp": 2, "parallel.zero": 3}, tags=("cp",)))
-        layouts.append(Layout("2d-cp2-tp2", 4, {"parallel.cp": 2, "parallel.tp": 2}, tags=("cp", "tp")))
+        layouts.append(CheckedLayout(f"2d-tp2-dp{n // 2}", n, {"parallel.tp": 2}, tags=("tp", "dp")))
+        layouts.append(
+            CheckedLayout(f"2d-zero3-tp2-dp{n // 2}", n, {"parallel.tp": 2, "parallel.zero": 3}, tags=("tp",))
+        )
+        layouts.append(CheckedLayout(f"2d-pp2-dp{n // 2}", n, {"parallel.pp": 2, "parallel.pp_microbatches": 4}))
+        layouts.append(
+            CheckedLayout("2d-pp2-tp2", 4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4})
+        )
+        layouts.append(
+            CheckedLayout(f"2d-cp2-zero3-dp{n // 2}", n, {"parallel.cp": 2, "parallel.zero": 3}, tags=("cp",))
+        )
+        layouts.append(CheckedLayout("2d-cp2-tp2", 4, {"parallel.cp": 2, "parallel.tp": 2}, tags=("cp", "tp")))
     if n >= 8 and n % 8 == 0:
         three_d = {"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_microbatches": 4}
-        layouts.append(Layout(f"3d-pp2-tp2-dp{n // 4}", n, three_d, tags=("pp", "tp", "dp")))
+        layouts.append(CheckedLayout(f"3d-pp2-tp2-dp{n // 4}", n, three_d, tags=("pp", "tp", "dp")))
     servers = next(s for s in range(1, n) if GLOBAL_BATCH % (n - s) == 0)
     ps = {"sync.mode": "parameter_server", "sync.ps_servers": servers}
     unlogged = "the parameter server logs grad_norm 0 when clipping is off"
-    layouts.append(Layout(f"ps-sync-{servers}s{n - servers}w", n, ps, servers, ("ps",), unlogged))
+    layouts.append(CheckedLayout(f"ps-sync-{servers}s{n - servers}w", n, ps, servers, ("ps",), unlogged))
     local = "each replica logs its own gradient's norm (local SGD all-reduces weights, not gradients)"
-    layouts.append(Layout("local-sgd-h1", n, {"sync.mode": "local_sgd", "sync.local_steps": 1}, 0, ("sync",), local))
+    layouts.append(
+        CheckedLayout("local-sgd-h1", n, {"sync.mode": "local_sgd", "sync.local_steps": 1}, 0, ("sync",), local)
+    )
     return layouts

@@ -17,18 +17,24 @@ from pathlib import Path
 
 import torch
 
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
 from paralm.errors import UserError
 from paralm.evidence.matrix import (
     EXACT_TOLERANCE,
     GLOBAL_BATCH,
     MODELS,
-    Layout,
+    CheckedLayout,
     exact_layouts,
     name_matches,
     reference_layout,
 )
 from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
+from paralm.models.config import ModelConfig
 from paralm.models.registry import model_shape, model_spec
+from paralm.plan.context import context_parallel_bytes
+from paralm.plan.layout import Layout as PlanLayout
+from paralm.plan.layout import Workload
 
 
 @dataclass
@@ -62,7 +68,7 @@ class Matrix:
         self.work, self.echo, self._done = work / family, echo, {}
         self.family, self.model = family, MODELS[family]
 
-    def train(self, layout: Layout) -> Trained:
+    def train(self, layout: CheckedLayout) -> Trained:
         if layout.name not in self._done:
             started = time.perf_counter()
             run = train_run(Run(layout.name, layout.ranks, layout.args(self.model), self.work / _slug(layout.name)))
@@ -79,7 +85,7 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
-def check_exact(matrix: Matrix, layout: Layout) -> Verdict:
+def check_exact(matrix: Matrix, layout: CheckedLayout) -> Verdict:
     ref, run = matrix.reference(), matrix.train(layout)
     loss, weights = max_gap(ref.series("loss"), run.series("loss")), weight_gap(ref.weights, run.weights)
     norm = None if layout.grad_norm_unchecked else max_gap(ref.series("grad_norm"), run.series("grad_norm"))
@@ -90,7 +96,36 @@ def check_exact(matrix: Matrix, layout: Layout) -> Verdict:
     )
 
 
-def _within(matrix: Matrix, layout: Layout, against: Trained | None, bound: float, guarantee: str) -> Verdict:
+CP_SETTINGS = ("parallel.cp", "parallel.cp_method")
+
+
+def check_context_parallel(matrix: Matrix, layout: CheckedLayout) -> Verdict:
+    """Exact, and context-parallel: each step sends, beyond the same layout without cp (whose gradient traffic
+    it shares), the attention traffic the planner prices for its cp ranks (ring or all-to-all). Replicated
+    compute on whole sequences would match one process too, and send nothing more."""
+    verdict = check_exact(matrix, layout)
+    without = {k: v for k, v in layout.settings.items() if k not in CP_SETTINGS}
+    base = next((other for other in exact_layouts(layout.ranks) if other.settings == without), None)
+    base = base or CheckedLayout(f"{layout.name}-without-cp", layout.ranks, without)
+    sent, shared = matrix.train(layout).series("comm_bytes"), matrix.train(base).series("comm_bytes")
+    extra = sorted({a - b for a, b in zip(sent, shared, strict=True)})
+    planned = planned_cp_bytes(layout, matrix.model)
+    verdict.measured = (
+        f"bytes/step beyond {base.name}: {', '.join(map(str, extra))}, the planner's cp bytes {planned:.0f}"
+    )
+    verdict.holds = verdict.holds and all(abs(e - planned) <= 0.01 * planned for e in extra)
+    return verdict
+
+
+def planned_cp_bytes(layout: CheckedLayout, model: ModelConfig) -> float:
+    """The planner's context-parallel bytes of one step, summed over the ranks (as metrics sum comm_bytes)."""
+    config = load_config(None, layout.args(model))
+    dims = ParallelDims.from_config(config.parallel, config.sync, layout.ranks)
+    work = Workload.from_config(config, GLOBAL_BATCH, "fp32-master")
+    return layout.ranks * model.n_layer * context_parallel_bytes(PlanLayout.of_config(config, dims), work)
+
+
+def _within(matrix: Matrix, layout: CheckedLayout, against: Trained | None, bound: float, guarantee: str) -> Verdict:
     """A layout whose losses (and weights) stay within `bound` of `against` (default: one process)."""
     against = against or matrix.reference()
     run = matrix.train(layout)
@@ -113,26 +148,26 @@ ROUNDED = {
 
 def rounded(name: str) -> Callable[[Matrix, int], Verdict]:
     settings, bound, guarantee = ROUNDED[name]
-    return lambda matrix, n: _within(matrix, Layout(name, n, settings), None, bound, guarantee)
+    return lambda matrix, n: _within(matrix, CheckedLayout(name, n, settings), None, bound, guarantee)
 
 
 def diloco_as_local_sgd(matrix: Matrix, n: int) -> Verdict:
-    local = matrix.train(Layout("local-sgd-h2", n, {"sync.mode": "local_sgd", "sync.local_steps": 2}))
+    local = matrix.train(CheckedLayout("local-sgd-h2", n, {"sync.mode": "local_sgd", "sync.local_steps": 2}))
     settings = {"sync.mode": "diloco", "sync.local_steps": 2, "sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}
     guarantee = "outer lr 1, momentum 0 equals local SGD (H = 2)"
-    return _within(matrix, Layout("diloco-lr1-m0", n, settings), local, EXACT_TOLERANCE, guarantee)
+    return _within(matrix, CheckedLayout("diloco-lr1-m0", n, settings), local, EXACT_TOLERANCE, guarantee)
 
 
 def async_one_worker(matrix: Matrix, n: int) -> Verdict:
     settings = {"sync.mode": "parameter_server", "sync.ps_servers": 1, "sync.ps_async": True}
     guarantee = "with one worker nothing is stale: equals one process"
-    return _within(matrix, Layout("ps-async-1w", 2, settings, servers=1), None, EXACT_TOLERANCE, guarantee)
+    return _within(matrix, CheckedLayout("ps-async-1w", 2, settings, servers=1), None, EXACT_TOLERANCE, guarantee)
 
 
 def powersgd_warm_start(matrix: Matrix, n: int) -> Verdict:
     start = 2
     settings = {"comm.compression": "powersgd", "comm.powersgd_rank": 1, "comm.powersgd_start_step": start}
-    ref, run = matrix.reference(), matrix.train(Layout("powersgd", n, settings))
+    ref, run = matrix.reference(), matrix.train(CheckedLayout("powersgd", n, settings))
     plain = max_gap(ref.series("loss")[: start + 1], run.series("loss")[: start + 1])
     sent = run.series("comm_bytes")
     compressed = bool(sent[0]) and bool(sent[-1]) and sent[-1] < sent[0] / 2
@@ -147,7 +182,7 @@ def powersgd_warm_start(matrix: Matrix, n: int) -> Verdict:
 def topk_bytes(matrix: Matrix, n: int) -> Verdict:
     ratio, bucket_mb = 0.01, 25.0
     settings = {"comm.compression": "topk", "comm.topk_ratio": ratio, "comm.bucket_mb": bucket_mb}
-    run = matrix.train(Layout("topk", n, settings))
+    run = matrix.train(CheckedLayout("topk", n, settings))
     numel = model_shape(matrix.model).params
     with torch.device("meta"):  # only the count of parameter tensors
         tensors = len(list(model_spec(matrix.model).build(matrix.model).parameters()))
@@ -172,9 +207,9 @@ MOE = {"model.moe_experts": 4, "model.moe_top_k": 2}  # the family's model with 
 def expert_parallel(matrix: Matrix, n: int) -> Verdict:
     """The MoE version of the family's model, its experts split over 2 ranks (dropless), against its own
     one-process run: exact."""
-    one = matrix.train(Layout("moe-one-process", 1, MOE))
+    one = matrix.train(CheckedLayout("moe-one-process", 1, MOE))
     guarantee = "MoE (4 experts, top-2, dropless), experts over 2 ranks: equals one process"
-    return _within(matrix, Layout("ep2-moe", 2, MOE | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
+    return _within(matrix, CheckedLayout("ep2-moe", 2, MOE | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
 
 
 # Methods held to a guarantee of their own (expert parallelism: exact, against a model of its own)
@@ -213,7 +248,9 @@ def verify(
         losses = matrix.reference().series("loss")
         if not losses[-1] < losses[0]:
             raise RuntimeError(f"the one-process {family} reference did not train (losses {losses})")
-        verdicts += [check_exact(matrix, layout) for layout in exact]
+        verdicts += [
+            (check_context_parallel if "cp" in layout.tags else check_exact)(matrix, layout) for layout in exact
+        ]
         verdicts += [check(matrix, nproc) for check in approximate]
     return verdicts
 

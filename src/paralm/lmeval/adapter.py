@@ -12,9 +12,15 @@ import torch
 import torch.nn.functional as F
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import has_bos_prefix
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
 from torch import nn
 
+from paralm.errors import UserError
 from paralm.models.sampling import generate
 
 
@@ -83,19 +89,26 @@ class ParalmLM(TemplateLM):
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuation of each context, cut at the first stop string (and the end-of-text token)."""
+        """Each context's continuation, cut at the first stop string and the end-of-text token. The request's
+        generation settings are read with lm-eval's own normalisation (`max_gen_toks` or its aliases
+        `max_new_tokens`, `max_tokens`, `max_completion_tokens`; greedy unless `do_sample`), and a request
+        that leaves the prompt no room is refused as the `hf` model refuses it."""
         outputs = []
+        eos = self.tokenizer.decode([self.eot_token_id])
         for context, gen_kwargs in (r.args for r in requests):
-            until = gen_kwargs.get("until", [])
-            until = [until] if isinstance(until, str) else list(until)
-            until.append(self.tokenizer.decode([self.eot_token_id]))
-            max_new = int(gen_kwargs.get("max_gen_toks", 256))
-            ids = self.tok_encode(context)[-max(self.max_length - max_new, 1) :]
+            kwargs = normalize_gen_kwargs(gen_kwargs)
+            until = handle_stop_sequences(kwargs["until"], eos=eos)
+            max_new = kwargs["max_gen_toks"]
+            if max_new >= self.max_length:
+                raise UserError(
+                    f"the task asks for {max_new} generated tokens, not fewer than the model's context of "
+                    f"{self.max_length} (model.block_size), as lm-eval's hf model refuses too: lower the task's "
+                    "generation_kwargs max_gen_toks"
+                )
+            ids = self.tok_encode(context)[-(self.max_length - max_new) :]
             idx = torch.tensor([ids], dtype=torch.long, device=self._device)
-            out = generate(self.model, idx, max_new, self.max_length, temperature=0.0)
+            temperature = float(kwargs["temperature"]) if kwargs["do_sample"] else 0.0
+            out = generate(self.model, idx, max_new, self.max_length, temperature=temperature)
             text = self.tokenizer.decode(out[0, len(ids) :].tolist())
-            for stop in until:
-                if stop:
-                    text = text.split(stop)[0]
-            outputs.append(text)
+            outputs.append(postprocess_generated_text(text, until, think_end_token=None))
         return outputs

@@ -59,7 +59,7 @@ def paralm_lm(run: str, checkpoint: str | None, batch_size: int):
     """The adapter on a run's checkpoint, with the tokenizer `paralm export` writes; and that checkpoint."""
     from transformers import PreTrainedTokenizerFast
 
-    from paralm.export import hf_tokenizer
+    from paralm.hf.export import hf_tokenizer
     from paralm.lmeval.adapter import ParalmLM
     from paralm.runs import load_trained_model
 

@@ -61,6 +61,7 @@ def shape(config: ModelConfig) -> ModelShape:
         # kernels each, 10 more for its cos and sin tables) and the positions
         elementwise_kernels=10 + 2 * (8 + 10) + 1,
         moe=moe_shape(config, layer[2:], dense_ffn_params=3 * d * hidden),
+        mlp_fused=3 * hidden,  # compiled: SiLU and product read w1's and w3's outputs, write w2's input
     )
 
 

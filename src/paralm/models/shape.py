@@ -59,6 +59,13 @@ class ModelShape:
     rotary_width: int  # q and k elements rotated by RoPE; 0 without it
     elementwise_kernels: int  # kernels of a block's forward besides its matmuls and attention
     moe: MoEShape | None = None  # the MoE blocks; the fields above describe the dense blocks
+    # `mlp_traffic` with the activation's kernels fused into one (torch.compile): what that kernel
+    # reads and writes; 0: the same (a single activation kernel has nothing to fuse)
+    mlp_fused: int = 0
+
+    @property
+    def mlp_fused_traffic(self) -> int:
+        return self.mlp_fused or self.mlp_traffic
 
     @cached_property
     def layer_params(self) -> int:

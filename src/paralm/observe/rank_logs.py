@@ -15,6 +15,7 @@ from pathlib import Path
 from paralm.errors import UserError
 
 LOGS_DIR = "logs"
+FILE_ONLY = {"paralm_file_only": True}  # `extra` of a record for the rank's file, not the terminal
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -32,6 +33,7 @@ class RankLog:
         self._terminal = None if root.handlers else logging.StreamHandler(sys.stderr)
         if self._terminal is not None:
             self._terminal.setLevel(logging.WARNING)
+            self._terminal.addFilter(lambda record: not getattr(record, "paralm_file_only", False))
             root.addHandler(self._terminal)
         root.addHandler(self._file)
         logging.captureWarnings(True)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from paralm.observe.hang_dump import HANG_DIR, write_report
+from paralm.observe.rank_logs import FILE_ONLY
 
 log = logging.getLogger(__name__)
 STEPS_KEPT = 64  # step start times kept to place the flight recorder's entries in steps
@@ -88,7 +89,10 @@ class StepWatch:
                     write_report(self.run_dir, self.rank, step, in_step, "stuck", list(self.steps))
                     self._reported = step
             if signum := self.stopping():
-                log.warning("rank %d: stopped by signal %d while stuck in step %s", self.rank, signum, step)
+                # the launcher's line names this rank: the terminal needs no second one
+                log.warning(
+                    "rank %d: stopped by signal %d while stuck in step %s", self.rank, signum, step, extra=FILE_ONLY
+                )
                 logging.shutdown()
                 os._exit(128 + signum)
 

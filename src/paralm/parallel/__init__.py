@@ -1,1 +1,2 @@
-"""How the model is spread over ranks: dims and mesh, launch, and the parallel wrappers."""
+"""How the model is spread over ranks: the runtime (process group and mesh), the strategies that shard or
+wrap the model (TP/SP, pipeline, context, expert, FSDP, DDP), and `parallelize`, the one root composing them."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from paralm.compat import checkpoint_wrapper
-from paralm.config import TrainConfig
+from paralm.config.schema import TrainConfig
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict, train: TrainConfig) -> None:

@@ -27,38 +27,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from paralm import compat
-from paralm.config import Config
-from paralm.errors import UserError
 from paralm.models.moe import moe_layers
 from paralm.parallel.runtime import Runtime
 
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")  # edp: the dp_shard groups holding copies
-
-
-def check_moe_layout(config: Config) -> None:
-    """One-line errors for MoE models and expert parallelism under strategies they do not compose with
-    (the config alone decides these)."""
-    p, m = config.parallel, config.model
-    if p.ep < 1:
-        raise UserError(f"parallel.ep = {p.ep} must be at least 1")
-    if p.ep > 1 and m.moe_experts == 0:
-        raise UserError("parallel.ep > 1 needs experts: set model.moe_experts (or parallel.ep = 1)")
-    if m.moe_experts == 0:
-        return
-    if m.moe_experts % p.ep:
-        raise UserError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}")
-    refused = {
-        "parallel.tp > 1": p.tp > 1,
-        "parallel.pp > 1": p.pp > 1,
-        "train.activation_checkpointing": config.train.activation_checkpointing != "none",
-        "parallel.cp > 1": p.cp > 1,
-        "sync.fault_tolerant": config.sync.fault_tolerant,
-        "parallel.zero = 1 with parallel.ep > 1": p.zero == 1 and p.ep > 1,
-        f"sync.mode = {config.sync.mode!r} with parallel.ep > 1": config.sync.mode != "allreduce" and p.ep > 1,
-    }
-    for name, on in refused.items():
-        if on:
-            raise UserError(f"{name} is not supported with model.moe_experts > 0: turn it off or use a dense model")
 
 
 def expert_mesh(runtime: Runtime) -> DeviceMesh:

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from paralm.compat import flatten_mesh
-from paralm.config import ParallelConfig, PrecisionConfig
-from paralm.dtypes import torch_dtype
+from paralm.config.dtypes import torch_dtype
+from paralm.config.schema import ParallelConfig, PrecisionConfig
 from paralm.parallel.runtime import Runtime
 
 
@@ -69,17 +69,12 @@ def apply_fsdp(
     for block in blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **policy)
     fully_shard(model, **policy)  # the root keeps its parameters gathered: backward starts there
-    setattr(model, _EVERY_MICROSTEP, parallel.shard_grads_every_microstep)
-
-
-_EVERY_MICROSTEP = "paralm_shard_grads_every_microstep"  # set on the root module by `apply_fsdp`
 
 
 @contextlib.contextmanager
 def fsdp_gradient_sync(model: FSDPModule, sync: bool) -> Iterator[None]:
-    """Without sync, FSDP accumulates unsharded gradients locally instead of reduce-scattering them
-    (unless the model was sharded to reduce-scatter every micro-step)."""
-    model.set_requires_gradient_sync(sync or getattr(model, _EVERY_MICROSTEP, False))
+    """Without sync, FSDP accumulates unsharded gradients locally instead of reduce-scattering them."""
+    model.set_requires_gradient_sync(sync)
     try:
         yield
     finally:

@@ -14,33 +14,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.nn.parallel import DistributedDataParallel
 
-from paralm.compress.float8 import apply_float8
-from paralm.compress.qat import apply_qat
-from paralm.config import CommConfig, Config, SyncConfig
-from paralm.models.moe import take_statistics, update_balance
+from paralm.config.rules import check_compile
+from paralm.config.schema import Config, SyncConfig
+from paralm.convert.registry import apply_converters
 from paralm.models.registry import model_spec
 from paralm.models.spec import tied_parameters
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
-from paralm.parallel.compression import register_compression
 from paralm.parallel.context.apply import apply_context_parallel, sequence_shard
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.expert import ExpertParallel
 from paralm.parallel.fsdp import apply_fsdp
-from paralm.parallel.local_sgd import ModelAverager
 from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
 from paralm.parallel.replicate import apply_replicate
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.step import Batches, LossScale, PlainStep, StepRunner
 from paralm.parallel.straggler import straggle
-from paralm.parallel.sync import SyncStrategy
 from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank, reduce_partial_gradients
-from paralm.parallel.zero1 import ZeroOne
-from paralm.rules import check_compile
 
 
 @dataclass
@@ -50,9 +42,8 @@ class ParallelPlan:
     model: nn.Module  # the plain model whose parameters train (pruned to this rank's stages, possibly sharded)
     module: nn.Module  # what a step runs: the model wrapped by DDP, FSDP, or a pipeline of its stages
     runner: StepRunner
-    sync: SyncStrategy
     runtime: Runtime
-    straggler: SyncConfig  # who sleeps in `before_step`, and how long
+    sync_config: SyncConfig  # the straggler who sleeps in `before_step`; which replica group this job is
     tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
     experts: ExpertParallel | None = None  # expert parallelism: its expert gradients sync here
@@ -66,35 +57,20 @@ class ParallelPlan:
             self.experts.reduce_gradients()
         return loss
 
-    def routing_step(self, skipped: torch.Tensor) -> torch.Tensor | None:
-        """After the optimizer step: the step's MoE routing statistics (None without MoE layers), and the
-        loss-free balancing bias moved by them."""
-        statistics = take_statistics(self.model)
-        if statistics is not None:
-            update_balance(self.model, statistics, self.runtime.dp_group, skipped)
-        return statistics
-
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
         return self.runner.eval_loss(x, y)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.sync.prepare(optimizer)
-
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Stateful:
-        """Model, optimizer and strategy state, as checkpoints save and load it."""
-        return self.sync.checkpoint_state(self.module, optimizer)
-
     def before_step(self, seed: int, step: int) -> None:
         """The straggler sleeps (if one is configured); dropout is reseeded from (seed, step, rank)
-        with tensor-parallel ranks of one replica sharing the stream (their sharded regions fork it per rank)."""
-        straggle(self.straggler, self.runtime.rank)
-        rank = dropout_rank(self.runtime.rank, self.runtime.dims.tp)
+        with tensor-parallel ranks of one replica sharing the stream (their sharded regions fork it per rank).
+        The rank counts across fault-tolerant replica groups (group g's rank r is g x N + r), so R groups of N
+        ranks draw what one job of R x N ranks draws."""
+        sync, runtime = self.sync_config, self.runtime
+        straggle(sync, runtime.rank)
+        job_rank = sync.ft_group * runtime.world_size + runtime.rank if sync.fault_tolerant else runtime.rank
+        rank = dropout_rank(job_rank, runtime.dims.tp)
         torch.manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)  # tuple hashes of ints are stable
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip where the sync strategy holds the gradients by now (ZeRO-1: on its shards)."""
-        return self.sync.clip_grad_norm_(self.model, max_norm, self.runtime, self.tied)
 
 
 def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelPlan:
@@ -112,36 +88,18 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     else:
         module = parallelize_stage(model, runtime, config, experts)
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
-        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard)
+        every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
+        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep)
     return ParallelPlan(
         model=model,
         module=module,
         runner=runner,
-        sync=_sync_strategy(model, module, runtime, config.comm, config.sync),
         runtime=runtime,
-        straggler=config.sync,
+        sync_config=config.sync,
         tied=tuple(tied),
         scaler_group=runtime.grad_group if dims.shards_gradients else None,
         experts=experts,
     )
-
-
-def _sync_strategy(
-    model: nn.Module, module: nn.Module, runtime: Runtime, comm: CommConfig, sync: SyncConfig
-) -> SyncStrategy:
-    dims = runtime.dims
-    if sync.fault_tolerant:
-        from paralm.parallel.fault_tolerant import ReplicaGroups  # torchft: imported only when asked for
-
-        return ReplicaGroups(model, runtime, sync)
-    if dims.averaging_enabled:
-        return ModelAverager(model, runtime, sync)
-    if dims.zero1_enabled:
-        replicate = runtime.mesh["dp_replicate"].get_group() if dims.dp_replicate_enabled else None
-        return ZeroOne(model, runtime.mesh["dp_shard"], replicate, comm.bucket_mb)
-    if isinstance(module, DistributedDataParallel):  # its gradient hook (compression) may keep state
-        return register_compression(module, runtime.dp_group, runtime.comm, comm)
-    return SyncStrategy()
 
 
 def parallelize_stage(
@@ -149,9 +107,7 @@ def parallelize_stage(
 ) -> nn.Module:
     """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
     dims, spec = runtime.dims, model_spec(config.model)
-    apply_qat(model, spec, config.train.qat)  # module swaps first: every strategy then sees the new layers
-    if config.precision.float8:
-        apply_float8(model, spec, runtime.device)
+    apply_converters(model, spec, config, runtime.device)  # module swaps first: every strategy sees the new layers
     if dims.tp_enabled:
         apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel, config.model.dropout > 0)
     if dims.cp_enabled:
@@ -166,10 +122,10 @@ def parallelize_stage(
         apply_fsdp(model, blocks, runtime, config.parallel, config.precision, ignored)  # ZeRO-2/3 (ZeRO-1: zero1)
     if has_meta_tensors(model):  # after sharding, so each rank allocates only its shards of the initial weights
         materialize(model, runtime.device, config.train.seed, offload=config.parallel.cpu_offload)
-    if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.parallel.sync)
+    if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.sync)
         if dims.tp_enabled or dims.pp_enabled:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
         if experts:
             experts.hide_from_ddp(model)
-        return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `_sync_strategy`
+        return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `paralm.sync.choose`
     return model

@@ -36,18 +36,18 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
-from paralm.config import ParallelConfig
-from paralm.degrees import num_stages, pipeline_microbatches
+from paralm.config.degrees import num_stages, pipeline_microbatches
+from paralm.config.schedules import PIPELINE_SCHEDULES
+from paralm.config.schema import ParallelConfig
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.spec import ModelSpec, tied_parameters
+from paralm.parallel.precision import autocast
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
 from paralm.parallel.step import Batches, LossScale
 from paralm.parallel.tensor import local_value, loss_context
-from paralm.pipeline_schedules import PIPELINE_SCHEDULES
-from paralm.train.precision import autocast
 
 StageParallelizer = Callable[[nn.Module], nn.Module]
 
@@ -156,7 +156,7 @@ def _build_schedule(name: str, stages: list[PipelineStage], microbatches: int, l
         if schedule.stages_per_rank == "one":
             return schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
         return schedule_cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    except ValueError as e:  # a constraint of the schedule that `paralm.rules` does not know
+    except ValueError as e:  # a constraint of the schedule that `paralm.config.rules` does not know
         raise UserError(f"parallel.pp_schedule = {name} cannot run this layout: {e}") from None
 
 

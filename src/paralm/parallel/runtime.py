@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paralm.compat import flatten_mesh
-from paralm.config import ParallelConfig, SyncConfig
+from paralm.compat import flatten_mesh, init_fake_process_group
+from paralm.config.dims import MESH_DIMS, ParallelDims
+from paralm.config.schema import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.parallel.comm_stats import CommStats
-from paralm.parallel.dims import MESH_DIMS, ParallelDims
 
 
 @dataclass
@@ -144,13 +144,7 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
             world_size=world_size,
             timeout=timeout,
         )
-        shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
-        if servers:
-            mesh = DeviceMesh(device.type, torch.arange(servers, world_size).view(shape), mesh_dim_names=MESH_DIMS)
-        else:
-            mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-        dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
-        grad_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp") if dims.cp_enabled else dp_mesh
+        mesh, dp_mesh, grad_mesh = _meshes(device.type, dims, servers, world_size)
         if servers:  # every rank takes part in creating every group
             server_group = dist.new_group(list(range(servers)))
             group = server_group if rank < servers else dp_mesh.get_group()
@@ -171,6 +165,31 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
         host_step_group=host_step,
         grad_mesh=grad_mesh,
     )
+
+
+def rehearsal_runtime(parallel: ParallelConfig, sync: SyncConfig, rank: int, world_size: int) -> Runtime:
+    """Rank `rank` of a `world_size`-rank job in this one process, for a dry run: a fake process group
+    (no peers, every collective a no-op) and the meta device, so the real strategies shard a model that
+    never allocates memory. No host groups: nothing here talks to a peer."""
+    dims = ParallelDims.from_config(parallel, sync, world_size)
+    if sync.servers:
+        raise UserError("a dry run rehearses the trainer's mesh: sync.ps_servers has no place in it")
+    init_fake_process_group(rank, world_size)
+    mesh, dp_mesh, grad_mesh = _meshes("cpu", dims, 0, world_size)
+    return Runtime(rank, rank, world_size, torch.device("meta"), dims, mesh, dp_mesh, grad_mesh=grad_mesh)
+
+
+def _meshes(device_type: str, dims: ParallelDims, servers: int, world_size: int) -> tuple[DeviceMesh, ...]:
+    """The mesh of the degrees (over the ranks after the servers), its data-parallel dims flattened, and
+    those with cp (the ranks whose gradients average)."""
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    if servers:
+        mesh = DeviceMesh(device_type, torch.arange(servers, world_size).view(shape), mesh_dim_names=MESH_DIMS)
+    else:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    grad_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp") if dims.cp_enabled else dp_mesh
+    return mesh, dp_mesh, grad_mesh
 
 
 def _host_groups(rank: int, world_size: int, servers: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

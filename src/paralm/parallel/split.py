@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paralm.config.rules import check_split
 from paralm.models.shape import ModelShape
-from paralm.rules import check_split
 
 
 @dataclass(frozen=True)

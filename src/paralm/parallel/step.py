@@ -14,8 +14,8 @@ from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import pop_auxiliary_loss
 from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.ddp import gradient_sync
+from paralm.parallel.precision import autocast
 from paralm.parallel.tensor import local_value, loss_context
-from paralm.train.precision import autocast
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 LossScale = Callable[[torch.Tensor], torch.Tensor]  # multiplies the loss before backward (fp16 loss scaling)
@@ -36,6 +36,7 @@ class PlainStep:
     dtype: str  # the compute dtype (`precision.dtype`)
     tp: int = 1  # tensor-parallel degree: the loss is then computed on vocabulary-sharded logits
     shard: SequenceShard | None = None  # context parallelism: this rank's positions of every sequence
+    sync_every_microstep: bool = False  # FSDP reduce-scatters every micro-step (`parallel.shard_grads_every_microstep`)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of the batch, or of this rank's positions of it (with their global positions)."""
@@ -48,7 +49,8 @@ class PlainStep:
         """Accumulate gradients over the micro-batches; returns this rank's mean loss over them."""
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
-            with gradient_sync(self.module, sync=i == len(batches) - 1), loss_context(self.tp):
+            last = i == len(batches) - 1
+            with gradient_sync(self.module, last or self.sync_every_microstep), loss_context(self.tp):
                 with autocast(self.device, self.dtype):
                     loss = self._loss(x, y) / len(batches)
                     aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from paralm.config import SyncConfig
+from paralm.config.schema import SyncConfig
 
 
 def straggle(sync: SyncConfig, rank: int) -> None:

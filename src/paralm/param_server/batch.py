@@ -9,9 +9,9 @@ whichever mode wrote the checkpoint. Asynchronous: an update is one worker's own
 
 from __future__ import annotations
 
-from paralm.config import Config
+from paralm.config.degrees import resolve_grad_accum
+from paralm.config.schema import Config
 from paralm.data.sampler import BatchLayout
-from paralm.degrees import resolve_grad_accum
 from paralm.train.resume_batch import keep_global_batch
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.data.sampler import BatchLayout
 from paralm.hardware import device_peak_flops, startup_notes
 from paralm.models.registry import model_shape

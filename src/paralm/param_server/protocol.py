@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paralm.config import SyncConfig
+from paralm.config.rules import check_server_count
+from paralm.config.schema import SyncConfig
 from paralm.parallel.comm_stats import CommStats
-from paralm.rules import check_server_count
 
 LEAD = 0  # the server that orders asynchronous updates, writes metrics and checkpoints
 

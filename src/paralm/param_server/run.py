@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from paralm.config import Config
+from paralm.config.rules import check_parameter_server
+from paralm.config.schema import Config
 from paralm.data.prepare import dataset_dir
+from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import LEAD
 from paralm.param_server.server import Server
 from paralm.param_server.worker import Worker
-from paralm.rules import check_parameter_server
+from paralm.train.checkpoint import checkpoint_to_resume
 from paralm.train.engine import StepEngine
+from paralm.train.masked_state import saved_masks
 
 
 def run_parameter_server(config: Config, runtime: Runtime) -> None:
     check_parameter_server(config, runtime.device.type)
+    refuse_pruned(config)
     if runtime.local_rank == 0:  # a server here, which builds no step engine: it prepares the data for the workers'
         dataset_dir(config.data)
     # the lead server writes checkpoints alone (DCP's metadata on gloo); every rank takes part in creating it
@@ -25,3 +29,12 @@ def run_parameter_server(config: Config, runtime: Runtime) -> None:
         Server(config, runtime, solo).serve()
     else:
         Worker(StepEngine(config, runtime), config, runtime).work()
+
+
+def refuse_pruned(config: Config) -> None:
+    """The servers step the parameters and keep no pruning masks: a pruned run's weights would grow back."""
+    if saved_masks(checkpoint_to_resume(config)):
+        raise UserError(
+            f"{config.run.dir} is a pruned run: the parameter server does not keep pruning masks, so pruned "
+            "weights would grow back; fine-tune it with sync.mode = 'allreduce' (DDP or FSDP keep them)"
+        )

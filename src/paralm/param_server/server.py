@@ -20,14 +20,14 @@ import collections
 import torch
 import torch.distributed as dist
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.parallel.comm_stats import CommStats
-from paralm.parallel.flat import flatten
 from paralm.parallel.runtime import Runtime
 from paralm.param_server.batch import update_layout
 from paralm.param_server.log import ServerLog
 from paralm.param_server.protocol import LEAD, Endpoint, Header, Kind, Status, Tag
 from paralm.param_server.shard import ServerShard
+from paralm.sync.flat import flatten
 
 
 class Server:

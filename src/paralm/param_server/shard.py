@@ -13,13 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.models.registry import model_spec
 from paralm.parallel.comm_stats import CommStats
-from paralm.parallel.flat import unflatten
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import SyncStrategy, TrainingState
 from paralm.param_server.protocol import LEAD, Endpoint, Tag, recv_object, send_object, shard_bounds
+from paralm.sync.base import SyncStrategy, TrainingState
+from paralm.sync.flat import unflatten
 from paralm.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, trainer_state
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
 

@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from paralm.config import Config
-from paralm.parallel.flat import flatten, unflatten
+from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime
 from paralm.param_server.batch import update_layout
 from paralm.param_server.protocol import LEAD, Endpoint, Header, Kind, Tag, shard_bounds
+from paralm.sync.flat import flatten, unflatten
 from paralm.train.engine import StepEngine
 from paralm.train.memory import local_bytes
 from paralm.train.metrics import peak_memory_bytes

@@ -23,18 +23,19 @@ from typing import Any
 
 import torch
 
-from paralm.config import Config
-from paralm.config_source import parse_overrides, read_toml
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
+from paralm.config.rules import validate
+from paralm.config.schema import Config
+from paralm.config.source import parse_overrides, read_toml
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
-from paralm.load_config import load_config
-from paralm.parallel.dims import ParallelDims
-from paralm.parallel.lifeline import running_under_launcher
+from paralm.launch.lifeline import running_under_launcher
 from paralm.plan import trials
 from paralm.plan.cluster import Cluster, GiB, load_cluster
 from paralm.plan.request import load_request, with_fields
-from paralm.plan.search import Plan, search
-from paralm.rules import validate
+from paralm.plan.search import Prediction, search
+from paralm.plan.validate import error_line
 
 RECIPE = "fp32-master"  # how paralm stores model states: see memory.STATE_RECIPES
 SHOWN = 3
@@ -77,7 +78,7 @@ def choose_layouts(
     """`config` with the fastest `SHOWN` layouts that fit `cluster`, keep `fixed` and pass paralm's
     checks, fastest predicted first."""
     _, plans = search(config, cluster, fixed, recipe=RECIPE)
-    accepted: list[tuple[Plan, Config]] = []
+    accepted: list[tuple[Prediction, Config]] = []
     for plan in plans:
         candidate = with_fields(plan.layout.apply_to(config), {"parallel.auto": False})
         try:
@@ -91,6 +92,7 @@ def choose_layouts(
     if not accepted:
         raise UserError("parallel.auto: none of the layouts that fit passes paralm's checks; set the layout by hand")
     log(f"parallel.auto: {len(plans)} layouts fit {cluster.devices} x {cluster.name}; the fastest paralm accepts:")
+    log(f"  ({error_line()})")
     for i, (plan, _) in enumerate(accepted, 1):
         log(f"  {i}. {describe(plan)}")
     if len(accepted) > 1:
@@ -98,7 +100,7 @@ def choose_layouts(
     return [trials.Candidate(candidate, plan.time.total) for plan, candidate in accepted]
 
 
-def describe(plan: Plan) -> str:
+def describe(plan: Prediction) -> str:
     """A candidate in one line: the layout fields the search chooses, its step time and memory."""
     lay = plan.layout
     chunks = f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else ""  # chunks per rank
@@ -112,7 +114,7 @@ def describe(plan: Plan) -> str:
     )
 
 
-def why(first: Plan, second: Plan) -> str:
+def why(first: Prediction, second: Prediction) -> str:
     """The step-time term that differs most between the winner and the runner-up."""
     terms = {f.name: f.name.removesuffix("_s").replace("_", " ") for f in dataclasses.fields(first.time)}
     terms.pop("dp_comm_s")  # the total of data-parallel traffic, hidden or not: not part of the step time

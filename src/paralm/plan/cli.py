@@ -20,8 +20,11 @@ def add_plan_verbs(verbs: argparse._SubParsersAction) -> None:
         "(fields from --config are not fixed).",
     )
     _common(plan)
+    plan.add_argument("--cluster", help="preset[:COUNT] (h100:64, a100-80gb:1024, h200x8) or a TOML file")
     plan.add_argument(
-        "--cluster", required=True, help="preset[:COUNT] (h100:64, a100-80gb:1024, h200x8) or a TOML file"
+        "--validate",
+        action="store_true",
+        help="price the published GPU runs paralm ships (docs/planner-validation.md) and compare",
     )
     plan.add_argument("--top", type=int, default=10, help="layouts to show (and to write with --json); 0: all")
     plan.add_argument("--write-config", metavar="PATH", help="write the best layout as a config paralm trains with")
@@ -73,7 +76,13 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.report import plans_table, summary
     from paralm.plan.request import load_request
     from paralm.plan.search import search
+    from paralm.plan.validate import error_line, report
 
+    if args.validate:
+        print(report())
+        return 0
+    if not args.cluster:
+        raise UserError("paralm plan needs --cluster (a preset such as h100:64, or a TOML file), or --validate")
     if args.top < 0:
         raise UserError(f"--top {args.top} must not be negative")
     config, fixed = load_request(args.config, overrides)
@@ -95,6 +104,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print()
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
+    print(error_line())
     if experts := moe_summary(work.shape, work, cluster):
         print(experts)
     print(f"{len(plans)} layouts fit (of each, the largest micro-batch that fits); the fastest {len(shown)}:")

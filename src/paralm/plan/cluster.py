@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paralm.errors import UserError
-from paralm.hardware import GPU_PEAK_FLOPS
+from paralm.hardware import GPU_PEAK_FLOPS, gpu_variant
 
 GB = 1e9
 GiB = 2**30
@@ -66,6 +66,12 @@ class Cluster:
     # dtype's peak): calibrate measures one per dtype, since a CPU emulating bf16 runs a different
     # kernel for each layout; none in the presets (their 16-bit curve stands for every dtype).
     dtype_gemm_efficiency: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # Fused attention kernels measured on this device: per kernel, (sequence length, fraction of the
+    # 16-bit peak) points, read at a rank's query length (`kernels.fused_attention`); a kernel not listed
+    # is priced as a matmul read off `gemm_efficiency`, as in the presets (docs/planner-validation.md:
+    # their GEMM plateau was set with that pricing, and FlashAttention's published speeds under it
+    # predict the published runs 28% fast on average).
+    attention_efficiency: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = field(default="", compare=False)  # where the figures come from
 
     @property
@@ -117,12 +123,14 @@ class Cluster:
             value = getattr(self, f.name)
             if f.name == "gemm_efficiency":
                 lines.append(f"{f.name} = {_toml_curve(value)}")
-            elif f.name not in ("peak_flops", "dtype_gemm_efficiency"):
+            elif f.name not in ("peak_flops", "dtype_gemm_efficiency", "attention_efficiency"):
                 lines.append(f"{f.name} = {_toml(value)}")
         lines += ["", "[cluster.peak_flops]"]
         lines += [f"{dtype} = {flops!r}" for dtype, flops in self.peak_flops.items()]
         lines += ["", "[cluster.dtype_gemm_efficiency]"]
         lines += [f"{dtype} = {_toml_curve(curve)}" for dtype, curve in self.dtype_gemm_efficiency.items()]
+        lines += ["", "[cluster.attention_efficiency]"]
+        lines += [f"{kernel} = {_toml_curve(curve)}" for kernel, curve in self.attention_efficiency.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -136,6 +144,10 @@ def _toml(value: object) -> str:
     return repr(value)
 
 
+# Dense FP8 tensor-core peaks of the Hopper SXM parts (hardware's datasheet table).
+FP8_PEAK_FLOPS = {chip: {"fp8": gpu_variant(chip).peaks["fp8"]} for chip in ("H100", "H200")}
+
+
 def _dgx(
     name: str,
     chip: str,
@@ -145,6 +157,7 @@ def _dgx(
     ib_gbits: float,
     gemm: tuple[tuple[float, float], ...],
     src: str,
+    attention: dict[str, tuple[tuple[float, float], ...]] | None = None,
 ) -> Cluster:
     """An 8-GPU SXM node: NVLink within, one InfiniBand NIC per GPU between nodes."""
     return Cluster(
@@ -152,7 +165,8 @@ def _dgx(
         nodes=1,
         devices_per_node=8,
         memory_bytes=memory_gb * GB,
-        peak_flops=GPU_PEAK_FLOPS[chip],
+        # FP8 where the chip has it (Hopper): float8 training runs the blocks' matmuls there
+        peak_flops={**GPU_PEAK_FLOPS[chip], **FP8_PEAK_FLOPS.get(chip, {})},
         intra_bandwidth=nvlink_gbs / 2 * GB,  # datasheets quote NVLink bidirectional: half each way
         # alpha per ring step: the order nccl-tests shows for small all-reduces (a microsecond or two
         # per NVLink hop, several per InfiniBand hop); an assumption `paralm calibrate` replaces.
@@ -166,6 +180,7 @@ def _dgx(
         # CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL communicator buffers, and a margin for
         # allocator fragmentation: a stated allowance, not a measurement.
         runtime_bytes=2 * GiB,
+        attention_efficiency=attention or {},
         source=src,
     )
 
@@ -225,7 +240,7 @@ RETIRED_FIELDS = frozenset(
 
 def load_cluster(path: str | Path) -> Cluster:
     """A cluster from the `[cluster]` table of a TOML file, as `paralm calibrate` writes it."""
-    from paralm.config_source import read_toml
+    from paralm.config.source import read_toml
 
     raw = read_toml(path).get("cluster")
     if not isinstance(raw, dict):
@@ -252,7 +267,16 @@ def load_cluster(path: str | Path) -> Cluster:
         peaks = {k: float(v) for k, v in raw["peak_flops"].items()}
         curve = _curve(raw["gemm_efficiency"])
         curves = {k: _curve(v) for k, v in raw.get("dtype_gemm_efficiency", {}).items()}
-        cluster = Cluster(**{**raw, "peak_flops": peaks, "gemm_efficiency": curve, "dtype_gemm_efficiency": curves})
+        attention = {k: _curve(v) for k, v in raw.get("attention_efficiency", {}).items()}
+        cluster = Cluster(
+            **{
+                **raw,
+                "peak_flops": peaks,
+                "gemm_efficiency": curve,
+                "dtype_gemm_efficiency": curves,
+                "attention_efficiency": attention,
+            }
+        )
     except (TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{path}: [cluster] has a value of the wrong type: {e}") from None
     if min(cluster.nodes, cluster.devices_per_node) < 1 or cluster.memory_bytes <= 0:

@@ -23,12 +23,18 @@ from paralm.plan.cluster import Cluster
 # Bytes RoPE reads and writes per rotated element: paralm's `rotate` works in fp32 (two casts up, the
 # negated half, a concatenation, two products, their sum, the cast back), about 12 fp32 passes.
 ROTARY_BYTES = 12 * 4
+# Compiled, the forward of a block runs one kernel per fusible run of elementwise ops: each norm with
+# the residual add before it (2), the MLP's activation with its product (1), RoPE on q and k (2).
+COMPILED_KERNELS = 5
 
 
 def efficiency(cluster: Cluster, dtype: str, size: float) -> float:
-    """Fraction of `dtype`'s peak a matmul of dimension `size` (see `matmul`) reaches: log-linear
-    between the calibrated points, flat beyond the ends."""
-    points = cluster.gemm_curve(dtype)
+    """Fraction of `dtype`'s peak a matmul of dimension `size` (see `matmul`) reaches."""
+    return interpolate(cluster.gemm_curve(dtype), size)
+
+
+def interpolate(points: tuple[tuple[float, float], ...], size: float) -> float:
+    """A curve of (size, fraction) points read at `size`: log-linear between points, flat beyond the ends."""
     sizes = [p[0] for p in points]
     i = bisect.bisect_left(sizes, size)
     if i == 0:
@@ -53,9 +59,47 @@ def matmul(
     `size`, by default the smallest dimension: it bounds the arithmetic intensity and the tiles a thin
     matrix (a narrow layer, a small tensor-parallel shard, few tokens) fills."""
     flops = 2 * m * n * k * count
-    compute = flops / (cluster.peak(dtype) * efficiency(cluster, dtype, min(m, n, k) if size is None else size))
+    compute = flops / (
+        cluster.peak(dtype) * efficiency(cluster, dtype, gemm_size(cluster, m, n, k) if size is None else size)
+    )
     memory = element_bytes * (m * k + k * n + m * n) * count / cluster.memory_bandwidth
     return max(compute, memory) + cluster.kernel_latency
+
+
+def gemm_size(cluster: Cluster, m: float, n: float, k: float) -> float:
+    """Where a matmul reads its cluster's curve. A "thin" curve was measured on (R x n) by (n x n)
+    matmuls with R large: read at the smallest side. A "square" curve holds N^3 matmuls: read at the
+    square of the same work, (m n k)^(1/3), since a thin matrix fills the device as well as long as its
+    output tiles outnumber the multiprocessors (a k/v projection under TP: 8k tokens x 128 columns is
+    2k tiles); what thinness does cost, reading more bytes per FLOP, the roofline's memory bound prices."""
+    return min(m, n, k) if cluster.gemm_shape == "thin" else (m * n * k) ** (1 / 3)
+
+
+def float8_casts(m: float, n: float, k: float, element_bytes: int, compiled: bool) -> float:
+    """Bytes a float8 linear (torchao, tensorwise dynamic scaling) moves beyond its matmul, forward: its
+    input (m x k) and weight (k x n) each read for their absolute maximum, then read again and written
+    in one byte; compiled, the maximum fuses into the kernel before. (Backward scales the output's
+    gradient and transposes the casts: about twice this, as the block's other elementwise work.)"""
+    passes = element_bytes + 1 + (0 if compiled else element_bytes)
+    return passes * (m * k + k * n)
+
+
+def fused_attention(
+    cluster: Cluster, dtype: str, shape: ModelShape, local: int, heads: float, element_bytes: int, kernel: str
+) -> float:
+    """Forward seconds of the fused causal attention of `heads` (sequence x head) pairs, `local` queries
+    each against the sequence's keys. Where the cluster lists `kernel`'s measured speed, its FLOPs (QK^T
+    and AV, half of them masked away by causality, as the kernels skip those tiles) at that fraction of
+    the peak, read at the query length; otherwise two batched matmuls (s x hd by hd x s) at the full
+    work: a thin curve read at hd, a square one at the tiles' equivalent square, since the sequence,
+    not hd alone, fills the device."""
+    s, head_dim = shape.block_size, shape.d_model // shape.n_head
+    curve = cluster.attention_efficiency.get(kernel)
+    if curve is not None:
+        flops = 2 * 2 * local * s * head_dim * heads / 2
+        return flops / (cluster.peak(dtype) * interpolate(curve, local)) + cluster.kernel_latency
+    size = head_dim if cluster.gemm_shape == "thin" else (local * s * head_dim) ** (1 / 3)
+    return 2 * matmul(cluster, dtype, local, s, head_dim, element_bytes, count=heads, size=size)
 
 
 @dataclass(frozen=True)
@@ -87,18 +131,32 @@ class BlockTimes:
 
 
 def block_forward(
-    cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, sp: bool, element_bytes: int, cp: int = 1
+    cluster: Cluster,
+    dtype: str,
+    shape: ModelShape,
+    sequences: int,
+    t: int,
+    sp: bool,
+    element_bytes: int,
+    cp: int = 1,
+    *,
+    float8: bool = False,
+    compiled: bool = False,
+    attention_kernel: str = "flash2",
 ) -> BlockTimes:
     """With context parallelism (`cp` > 1) a rank holds s / cp positions of each sequence, whose queries
-    attend to all s keys (ring or all-to-all alike: the same work, balanced by zig-zag or by heads)."""
+    attend to all s keys (ring or all-to-all alike: the same work, balanced by zig-zag or by heads).
+    `float8`: the weight matmuls at the FP8 peak on one-byte operands, plus their casts; `compiled`:
+    elementwise work fused (`COMPILED_KERNELS`)."""
     d, s, e = shape.d_model, shape.block_size, element_bytes
     local = s // cp
     tokens = sequences * local
     # Each matrix splits along its side other than d_model (column- or row-parallel alike): the same
     # FLOPs and bytes either way.
-    linear = sum(
-        count * matmul(cluster, dtype, tokens, rows * cols // d / t, d, e) for rows, cols, count in shape.layer_matrices
-    )
+    widths = [(rows * cols // d / t, count) for rows, cols, count in shape.layer_matrices]
+    linear_dtype, linear_bytes = ("fp8", 1) if float8 else (dtype, e)
+    linear = sum(count * matmul(cluster, linear_dtype, tokens, n, d, linear_bytes) for n, count in widths)
+    casts = sum(count * float8_casts(tokens, n, d, e, compiled) for n, count in widths) if float8 else 0.0
     if shape.moe is not None:  # MoE blocks: each expert multiplies its share of the routed tokens instead
         moe = shape.moe
         routed = tokens * moe.top_k / moe.experts
@@ -108,18 +166,20 @@ def block_forward(
 
         experts = moe.experts * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, tokens)
         linear += moe.layers / shape.n_layer * (experts - ffn(moe.dense_ffn_matrices, tokens))
-    head_dim = d // shape.n_head
-    # The fused kernel multiplies tiles of queries and keys (s x hd by hd x s): a curve measured on thin
-    # matrices is read at their smallest side, hd, as every matmul's; a square-GEMM curve at the tiles'
-    # equivalent square (the geometric mean), since the sequence, not hd alone, fills the device.
-    fused_size = head_dim if cluster.gemm_shape == "thin" else (local * s * head_dim) ** (1 / 3)
-    attention = 2 * matmul(cluster, dtype, local, s, head_dim, e, count=sequences * shape.n_head / t, size=fused_size)
+    attention = fused_attention(cluster, dtype, shape, local, sequences * shape.n_head / t, e, attention_kernel)
     seq_split = t if sp else 1
-    # Norms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP; the
-    # MLP's activation and RoPE on q and k, split by TP.
-    split_bytes = e * shape.mlp_traffic + ROTARY_BYTES * shape.rotary_width
-    elementwise_bytes = tokens * (e * 10 * d / seq_split + split_bytes / t)
-    elementwise = elementwise_bytes / cluster.memory_bandwidth + shape.elementwise_kernels * cluster.kernel_latency
+    if compiled:
+        # Each residual add fused into the norm after it (read two, write two), the MLP's activation
+        # fused with its product, RoPE reading and writing q and k once in the compute dtype.
+        replicated, split_bytes = 8 * d, e * shape.mlp_fused_traffic + 2 * e * shape.rotary_width
+        kernels = COMPILED_KERNELS
+    else:
+        # Norms read and write sbh (2 x 2), residual adds read two and write one (2 x 3): split by SP; the
+        # MLP's activation and RoPE on q and k, split by TP.
+        replicated, split_bytes = 10 * d, e * shape.mlp_traffic + ROTARY_BYTES * shape.rotary_width
+        kernels = shape.elementwise_kernels
+    elementwise_bytes = tokens * (e * replicated / seq_split + split_bytes / t) + casts
+    elementwise = elementwise_bytes / cluster.memory_bandwidth + kernels * cluster.kernel_latency
     return BlockTimes(linear, attention, elementwise)
 
 

@@ -1,6 +1,6 @@
 """What the cost model prices: a `Layout` (how the job is split) for a `Workload` (what is trained).
 
-Ranks form the mesh (pp, dp_replicate, dp_shard, cp, tp), outermost first, as `paralm.parallel.dims`
+Ranks form the mesh (pp, dp_replicate, dp_shard, cp, tp), outermost first, as `paralm.config.dims`
 builds it: tp ranks are neighbours, pipeline stages the farthest apart. `Rank` describes what one
 pipeline rank holds, since ranks differ: the first holds the embedding, the last (or, in V-shaped
 schedules, the first) the LM head and loss, and earlier ranks keep more micro-batches in flight.
@@ -12,8 +12,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from paralm.config import Config
-from paralm.dtypes import DTYPE_BYTES
+from paralm.config.degrees import resolve_grad_accum
+from paralm.config.dims import ParallelDims
+from paralm.config.dtypes import DTYPE_BYTES
+from paralm.config.schema import Config
 from paralm.models.registry import model_shape
 from paralm.models.shape import ModelShape
 from paralm.parallel.split import stage_split
@@ -41,6 +43,15 @@ class Workload:
     # shard (`parallel.shard_grads_every_microstep`, DeepSpeed's way), or once per step with whole
     # gradients held until the last micro-step (FSDP2 with sync off, paralm's default).
     sharded_accumulation: bool = False
+    # The blocks' linear layers in FP8 (`precision.float8`, torchao's tensorwise scaling): their matmuls
+    # at the device's FP8 peak, plus the casts that scale their inputs (`kernels.float8_casts`).
+    float8: bool = False
+    # Blocks compiled (`train.compile`): each fusible run of elementwise ops is one kernel that reads its
+    # inputs and writes its outputs once (`ModelShape`'s fused traffic) instead of a kernel per op.
+    compiled: bool = False
+    # The fused attention kernel (`Cluster.attention_efficiency`): flash2 is what torch's
+    # scaled_dot_product_attention runs on GPUs, paralm's; cudnn Transformer Engine's (Megatron).
+    attention_kernel: str = "flash2"
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
@@ -61,6 +72,8 @@ class Workload:
             config.comm.powersgd_rank,
             config.comm.topk_ratio,
             config.parallel.shard_grads_every_microstep,
+            config.precision.float8,
+            config.train.compile,
         )
 
     @property
@@ -91,6 +104,30 @@ class Layout:
     ps_servers: int = 0  # devices serving parameters (sync.mode = parameter_server), outside the mesh
     cp: int = 1  # context parallelism: each sequence's positions split across cp ranks
     cp_method: str = "ring"  # ring | alltoall
+
+    @classmethod
+    def of_config(cls, config: Config, dims: ParallelDims) -> Layout:
+        """The layout `config` trains with, its data-parallel degrees as `dims` resolved them (the dry run
+        prices the layout it rehearses)."""
+        p, t = config.parallel, config.train
+        return cls(
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            zero=dims.zero_stage,
+            tp=p.tp,
+            sequence_parallel=p.sequence_parallel,
+            pp=p.pp,
+            pp_schedule=p.pp_schedule,
+            pp_microbatches=(p.pp_microbatches or p.pp) if p.pp > 1 else 1,
+            pp_virtual_stages=p.pp_virtual_stages,
+            micro_batch_size=t.micro_batch_size,
+            grad_accum=resolve_grad_accum(config, dims.dp),
+            activation_checkpointing=t.activation_checkpointing,
+            ac_every=t.ac_every,
+            pp_split=tuple(p.pp_split),
+            cp=p.cp,
+            cp_method=p.cp_method,
+        )
 
     @property
     def dp(self) -> int:

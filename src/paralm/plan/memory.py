@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from paralm.config.zero import per_rank
 from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload
-from paralm.zero import per_rank
 
 # Bytes per parameter for a 16-bit compute dtype: (parameters, gradients, fp32 master copy). The
 # optimizer adds 4 bytes per fp32 slot. In fp32 every recipe is (4, 4, 0): the parameters are the master.
@@ -171,7 +171,7 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
     if layout.zero >= 2 and layout.shards > 1:
         states = _fsdp_states(states, params, layout, work)
-    elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.parallel.zero1 keeps the averaged gradient shard
+    elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.sync.zero1 keeps the averaged gradient shard
         states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
@@ -216,6 +216,17 @@ def _fsdp_states(states: ModelStates, params: float, layout: Layout, work: Workl
     return states
 
 
+def stored_states(layout: Layout, work: Workload, rank: Rank) -> ModelStates:
+    """The model states a device keeps between steps, as paralm stores them (the dry run's plan): the
+    model states of `rank_memory` without ZeRO-2's parameters gathered for forward and backward (FSDP
+    stores the fp32 shard only) and ZeRO-1's whole gradients before their reduce-scatter."""
+    params = rank_params(work.shape, layout, rank)
+    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+    if layout.zero >= 2 and layout.shards > 1 and work.recipe == "fp32-master":
+        return ModelStates(params * 4 / layout.shards, states.grad_bytes, states.optim_bytes)
+    return states
+
+
 def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     """Communication and cast buffers beyond the model states (stated assumptions):
     - ZeRO-3 gathers parameters in the compute dtype: two blocks at a time (the one computing and the
@@ -224,7 +235,7 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
       plus one block's unsharded gradients before their reduce-scatter;
     - otherwise, under mixed precision with fp32 parameters, autocast's cache of 16-bit weights (one
       copy of the rank's parameters, alive through the forward).
-    - ZeRO-1 (paralm.parallel.zero1): the whole local gradients during backward, until their
+    - ZeRO-1 (paralm.sync.zero1): the whole local gradients during backward, until their
       reduce-scatter leaves the rank its shard (counted in the model states);
     - ZeRO-2/3 accumulating with sync off until the last micro-step (FSDP's default, unless
       `parallel.shard_grads_every_microstep`): the whole unsharded gradients between micro-steps,

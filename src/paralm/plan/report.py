@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 from paralm.plan.cluster import Cluster, GiB
 from paralm.plan.layout import Workload
-from paralm.plan.search import Plan
+from paralm.plan.search import Prediction
 
-Column = tuple[str, Callable[[Plan], str]]  # header, formatted value
+Column = tuple[str, Callable[[Prediction], str]]  # header, formatted value
 
 
 def _gib(nbytes: float) -> str:
@@ -54,7 +54,7 @@ TIME_COLUMNS: list[Column] = [
 ]
 
 
-def _schedule(plan: Plan) -> str:
+def _schedule(plan: Prediction) -> str:
     lay = plan.layout
     if lay.pp == 1:
         return "-"
@@ -71,7 +71,7 @@ def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def plans_table(plans: Sequence[Plan]) -> str:
+def plans_table(plans: Sequence[Prediction]) -> str:
     columns = LAYOUT_COLUMNS + MEMORY_COLUMNS + TIME_COLUMNS
     rows = [[str(i + 1)] + [value(p) for _, value in columns] for i, p in enumerate(plans)]
     return table(rows, ["#"] + [h for h, _ in columns])

@@ -16,11 +16,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config
-from paralm.config_source import parse_overrides, read_toml
+from paralm.config.load import load_config
+from paralm.config.schedules import fewest_stages_per_rank
+from paralm.config.schema import Config
+from paralm.config.source import parse_overrides, read_toml
 from paralm.errors import UserError
-from paralm.load_config import load_config
-from paralm.pipeline_schedules import fewest_stages_per_rank
 
 LAYOUT_FIELDS = (
     "parallel.dp",

@@ -1,6 +1,6 @@
 """Pipeline schedules as the cost model sees them: how many model chunks per rank to try, how many
 micro-batches' activations a rank keeps in flight, and how long the pipeline bubble lasts. Which
-combinations run is for `paralm.rules` to say.
+combinations run is for `paralm.config.rules` to say.
 
 Times are per micro-batch and per pipeline rank (all of that rank's layers): F forward, B full
 backward (input and weight gradients, plus any recompute), W the weight-gradient part of B, which

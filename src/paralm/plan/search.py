@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paralm.config import Config
+from paralm.config.rules import checkpointing_problem, layout_problem, microbatch_problem
+from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.plan.cluster import Cluster, GiB
 from paralm.plan.context import context_parallel_bytes
@@ -31,13 +32,12 @@ from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
 from paralm.plan.timing import StepTime, step_time
-from paralm.rules import checkpointing_problem, layout_problem, microbatch_problem
 
 AC_BY_COST = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
-class Plan:
+class Prediction:
     layout: Layout
     memory: Memory
     time: StepTime
@@ -57,12 +57,12 @@ class Plan:
 
 def evaluate(
     layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool = True, memory: Memory | None = None
-) -> Plan:
+) -> Prediction:
     time = step_time(layout, work, cluster, overlap=overlap)
     tokens_per_s = work.tokens_per_step / time.total
     mfu = work.shape.flops_per_token * tokens_per_s / (layout.devices * cluster.peak(work.dtype))
     memory = memory or device_memory(layout, work, cluster)
-    return Plan(layout, memory, time, tokens_per_s, mfu, context_parallel_bytes(layout, work))
+    return Prediction(layout, memory, time, tokens_per_s, mfu, context_parallel_bytes(layout, work))
 
 
 def global_batch(config: Config, devices: int, fixed: dict[str, Any]) -> int:
@@ -84,7 +84,7 @@ def search(
     recipe: str = "fp32-master",
     overlap: bool = True,
     global_batch_size: int | None = None,
-) -> tuple[Workload, list[Plan]]:
+) -> tuple[Workload, list[Prediction]]:
     """The workload and every layout that fits it (dominated micro-batch sizes left out), fastest first.
     UserError when none matches the fixed fields or fits, naming what rules them out."""
     ps_servers = config.sync.servers
@@ -175,7 +175,7 @@ def _layout_groups(
     data-parallel rank, the micro-batch sizes to try, smallest first, and checkpointing choices,
     cheapest first), one per pipeline micro-batch count.
 
-    Only layouts paralm can train: each candidate is put to `paralm.rules`, and the reason a rule
+    Only layouts paralm can train: each candidate is put to `paralm.config.rules`, and the reason a rule
     gives for refusing it is counted in `rejected`, to explain an empty search. Tensor parallelism is
     searched within a node (Narayanan et al. 2021: across nodes it is bandwidth-bound); a fixed tp may
     span nodes.
@@ -219,7 +219,7 @@ def _layout_groups(
 
 def _sequence_and_stages(config: Config, fixed: dict[str, Any], ranks: int) -> Iterator[tuple[int, int, str]]:
     """(cp, pp, cp_method) for `ranks` per tensor-parallel group: without context parallelism every
-    pipeline degree; with it (cp > 1 takes no pipeline, see `paralm.rules`) both attention methods."""
+    pipeline degree; with it (cp > 1 takes no pipeline, see `paralm.config.rules`) both attention methods."""
     for cp in _choices(fixed, "parallel.cp", _divisors(ranks)):
         if cp == 1:
             for pp in _choices(fixed, "parallel.pp", _divisors(ranks)):
@@ -258,7 +258,7 @@ def _micro_batch_groups(
 def _pipeline_counts(
     config: Config, base: Layout, fixed: dict[str, Any], sizes: list[int], rejected: Counter[str]
 ) -> list[int]:
-    """The pipeline micro-batch counts the schedule runs (`paralm.rules`) and some micro-batch size is a
+    """The pipeline micro-batch counts the schedule runs (`paralm.config.rules`) and some micro-batch size is a
     multiple of."""
     if base.pp == 1:
         return [1]
@@ -282,7 +282,7 @@ def _shardings(fixed: dict[str, Any], dp: int, config: Config) -> Iterator[tuple
     """(zero, dp_replicate, dp_shard) choices for `dp` data-parallel ranks."""
     hybrid_given = "parallel.dp_replicate" in fixed or "parallel.dp_shard" in fixed
     for zero in _choices(fixed, "parallel.zero", [0, 1, 2, 3] if dp > 1 else [0]):
-        if hybrid_given:  # resolved as paralm.parallel.dims does: -1 takes the remainder
+        if hybrid_given:  # resolved as paralm.config.dims does: -1 takes the remainder
             replicate, shard = config.parallel.dp_replicate, config.parallel.dp_shard
             replicate = dp // shard if replicate == -1 and dp % shard == 0 else replicate
             shard = dp // replicate if shard == -1 and dp % replicate == 0 else shard

@@ -10,18 +10,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.plan.cluster import Cluster, GiB
 from paralm.plan.report import seconds, table
-from paralm.plan.search import Plan, global_batch, search
+from paralm.plan.search import Prediction, global_batch, search
 
 
 @dataclass(frozen=True)
 class Point:
     devices: int
     global_batch: int
-    plan: Plan | None  # None: no layout fits or matches
+    plan: Prediction | None  # None: no layout fits or matches
     reason: str = ""
 
     def row(self) -> dict[str, Any]:

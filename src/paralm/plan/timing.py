@@ -89,7 +89,19 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     shape, t, e = work.shape, layout.tp, work.element_bytes
     sp = layout.sequence_parallel and t > 1
     c = layout.cp
-    block = kernels.block_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, sp, e, c)
+    block = kernels.block_forward(
+        cluster,
+        work.dtype,
+        shape,
+        layout.pipeline_batch,
+        t,
+        sp,
+        e,
+        c,
+        float8=work.float8,
+        compiled=work.compiled,
+        attention_kernel=work.attention_kernel,
+    )
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e, c) if rank.has_head else 0.0
     recomputed = layout.checkpointed_blocks(rank.layers)
     activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * e
@@ -200,7 +212,7 @@ def _data_parallel(
     if layout.zero in (1, 2):
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
         gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
-        if layout.zero == 1:  # paralm.parallel.zero1: after backward, so nothing overlaps
+        if layout.zero == 1:  # paralm.sync.zero1: after backward, so nothing overlaps
             return reduce + gather, reduce + gather + _shard_copies(cluster, params * param_bytes, grads, shard_n)
         # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
         reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1

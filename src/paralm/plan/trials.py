@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.errors import UserError
-from paralm.parallel.lifeline import PARENT_ENV
+from paralm.launch.lifeline import PARENT_ENV
 from paralm.plan.request import LAYOUT_FIELDS, get, override_value
 from paralm.train.metrics import METRICS_FILE
 

@@ -18,7 +18,7 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from paralm.config import CONFIG_FILE
+from paralm.config.schema import CONFIG_FILE
 from paralm.sweep.plan import Trial
 from paralm.sweep.results import append_result, result_row
 from paralm.sweep.runner import TrialLaunch, TrialRunner

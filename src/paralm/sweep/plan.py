@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config
-from paralm.config_source import parse_overrides
+from paralm.config.dims import ParallelDims
+from paralm.config.load import load_config
+from paralm.config.rules import validate
+from paralm.config.schema import Config
+from paralm.config.source import parse_overrides
 from paralm.errors import UserError
-from paralm.load_config import load_config
-from paralm.parallel.dims import ParallelDims
-from paralm.rules import validate
 from paralm.sweep.space import GridAxis, SampledAxis, check_distinct, expand
 
 SWEEP_FILE = "sweep.json"

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.errors import UserError
+from paralm.parallel.precision import LossScaler
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import SyncStrategy, step_unless
-from paralm.train.precision import LossScaler
+from paralm.sync.base import SyncStrategy, step_unless
 
 
 class BadSteps:

@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paralm.config import CONFIG_FILE, Config, ModelConfig
-from paralm.config_source import read_toml
+from paralm.config.schema import CONFIG_FILE, REPLICA_GROUP_DIR, Config, ModelConfig, replica_group_dir
+from paralm.config.source import read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sync import TrainingState
+from paralm.sync.base import TrainingState
 from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
 from paralm.train.integrity import MANIFEST_FILE, damage, write_manifest
 
@@ -107,6 +107,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
             return path
         _report(f"checkpoint {path} is damaged ({problem}); trying the previous one")
     return None
+
+
+def run_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest undamaged checkpoint of a run, or of its replica groups (`paralm train --replicas` keeps
+    each group's in `group-<g>/`): what a finished run is read from."""
+    run_dir = Path(run_dir)
+    groups = sorted(p for p in run_dir.glob(REPLICA_GROUP_DIR.format("*")) if p.is_dir())
+    found = [path for folder in (run_dir, *groups) if (path := latest_checkpoint(folder)) is not None]
+    return max(found, key=checkpoint_step, default=None)
 
 
 def _report(text: str) -> None:
@@ -204,6 +213,12 @@ def checkpoint_to_resume(config: Config) -> Path | None:
     if resume == "none":
         return None
     path = latest_checkpoint(config.run.dir) if resume == "auto" else resolve_checkpoint(resume)
+    run_dir, sync = Path(config.run.dir), config.sync
+    if resume == "auto" and sync.fault_tolerant and run_dir == replica_group_dir(run_dir.parent, sync.ft_group):
+        # a replica group of `paralm train --replicas`: the run's own checkpoints and every group's count
+        path = run_checkpoint(run_dir.parent)
+        if path is not None:
+            _report(f"replica group {sync.ft_group} resumes from {path}")
     if path is not None:
         check_compatible(path, config.model)
     return path

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime
 from paralm.train.checkpoint import finish_checkpoint, partial_and_final, save_checkpoint
 

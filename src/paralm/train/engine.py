@@ -15,20 +15,23 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paralm.compress.masks import MaskedState, Masks, saved_masks
-from paralm.config import Config
+from paralm.config.degrees import resolve_grad_accum
+from paralm.config.rules import check_vocab_size
+from paralm.config.schema import Config
+from paralm.convert.hooks import after_step_hooks
+from paralm.convert.masks import Masks
 from paralm.data.mixture import MixedData
 from paralm.data.prepare import data_sources, dataset_dir
 from paralm.data.sampler import BatchLayout
-from paralm.degrees import resolve_grad_accum
-from paralm.evaluate import validation_loss
 from paralm.models.registry import model_shape, model_spec
 from paralm.parallel.parallelize import parallelize
+from paralm.parallel.precision import LossScaler
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.step import Batches
-from paralm.rules import check_vocab_size
+from paralm.sync.choose import build_sync
 from paralm.train.checkpoint import checkpoint_to_resume, load_checkpoint
-from paralm.train.precision import LossScaler
+from paralm.train.masked_state import MaskedState, saved_masks
+from paralm.train.validation import validation_loss
 
 
 class StepEngine:
@@ -54,9 +57,11 @@ class StepEngine:
         self.shape = model_shape(config.model)
         self.plan = parallelize(self.model, runtime, config)
         self.module = self.plan.module
+        self.sync = build_sync(self.plan, config)  # how replicas agree (`paralm.sync`)
         self.resume_from = checkpoint_to_resume(config)
         pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
+        self.hooks = after_step_hooks(self.plan.model, runtime.dp_group, self.masks)
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
 
@@ -66,9 +71,21 @@ class StepEngine:
         return self.layout.global_batch // self.config.sync.replica_groups
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Stateful:
-        """The plan's model, optimizer and strategy state, with the pruning masks where the run has them."""
-        state = self.plan.checkpoint_state(optimizer)
+        """Model, optimizer and strategy state as checkpoints save and load it, with the pruning masks where
+        the run has them."""
+        state = self.sync.checkpoint_state(self.module, optimizer)
         return MaskedState(state, self.masks) if self.masks else state
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip where the sync strategy holds the gradients by now (ZeRO-1: on its shards); the norm before."""
+        return self.sync.clip_grad_norm_(self.plan.model, max_norm, self.runtime, self.plan.tied)
+
+    def after_step(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run the after-step hooks (MoE balance, pruning masks); their device values for the metrics row."""
+        produced: dict[str, torch.Tensor] = {}
+        for hook in self.hooks:
+            produced |= hook.after_step(skipped)
+        return produced
 
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from paralm.config import Config
+from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime
 from paralm.train.checkpoint import trainer_state
 from paralm.train.checkpointer import Checkpointer

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paralm.config import Config
-from paralm.zero import is_sharded, per_rank
+from paralm.config.schema import Config
+from paralm.config.zero import is_sharded, per_rank
 
 MiB = 2**20
 
@@ -121,13 +121,14 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class ModelStateMeter:
     """Measures parameter, gradient and optimizer-state bytes of one training step on this rank.
 
-    `stepped` is the optimizer whose state this rank holds: `optimizer` itself, or the local one a
-    sharding wrapper steps (ZeRO-1's partition). Counting walks every tensor, so it runs only on steps
+    The optimizer state counted is what this rank holds: `optimizer`'s, or that of the local optimizer a
+    sharding wrapper steps (ZeRO-1's partition, its `inner`). Counting walks every tensor, so it runs only on steps
     with `measuring` set (the trainer: the first, then every `log.every`-th); the other steps report
     the last measurement."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, stepped: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer, self.stepped = model, optimizer, stepped
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.stepped = getattr(optimizer, "inner", optimizer)
         self.measuring = True
         self._param_bytes = self._grad_bytes = 0
         self._last: dict[str, int] = {}

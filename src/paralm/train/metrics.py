@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from paralm.config import CONFIG_FILE, Config, LogConfig
+from paralm.config.schema import CONFIG_FILE, Config, LogConfig
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from paralm.config import TrainConfig
+from paralm.config.schema import TrainConfig
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = False) -> torch.optim.Optimizer:

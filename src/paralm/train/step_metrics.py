@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from paralm.config.schema import Config
+from paralm.hardware import device_peak_flops
 from paralm.models.moe import balance_figures
 from paralm.observe.stragglers import decode
 from paralm.parallel.runtime import Runtime
-from paralm.train.metrics import Throughput, step_row
+from paralm.train.metrics import Throughput, peak_memory_bytes, step_row
 
 
 @dataclass
@@ -51,6 +53,20 @@ class StepMetrics:
     MAXIMA += ("own_slowest", "own_neg_fastest")  # each rank's own time (`paralm.observe.stragglers`)
     ON_DEVICE = ("loss", "grad_norm", "skipped")
 
+    @classmethod
+    def of_run(cls, config: Config, runtime: Runtime, flops_per_token: float, group_batch: int) -> StepMetrics:
+        """The metrics of a training run: its throughput against the device's peak, its rows' contents."""
+        peak_flops = device_peak_flops(runtime.device, config.precision.dtype)
+        return cls(
+            runtime,
+            Throughput(flops_per_token, peak_flops, runtime.world_size),
+            tokens_per_step=group_batch * config.model.block_size,
+            loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
+            every=config.log.every if runtime.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
+            comm_bytes=config.log.comm_bytes,
+            moe_experts=config.model.moe_experts,
+        )
+
     def start_step(self) -> None:
         if self._window_start is None:
             self._window_start = time.perf_counter()
@@ -65,10 +81,13 @@ class StepMetrics:
         moe: torch.Tensor | None = None,
         **host: Any,
     ) -> None:
-        """Record a step without waiting for the device. `counters`: `comm_bytes` (summed over ranks, when
-        counted) and the memory figures (maximised), host integers. `skipped`: the bad-step flag, on the
-        device (None: the step cannot be skipped that way). `moe`: the step's routing statistics, on the
-        device, summed over ranks (`paralm.models.moe.take_statistics`)."""
+        """Record a step without waiting for the device. `counters`: the memory meter's figures (maximised),
+        host integers; the step's bytes sent (summed over ranks, when counted) and peak memory are taken
+        here. `skipped`: the bad-step flag, on the device (None: the step cannot be skipped that way). `moe`:
+        the step's routing statistics, on the device, summed over ranks (`paralm.models.moe.take_statistics`)."""
+        counters = {**counters, "peak_mem_bytes": peak_memory_bytes(self.runtime.device)}
+        if self.comm_bytes:
+            counters["comm_bytes"] = self.runtime.comm.take_step()[0]
         on_host = torch.tensor(
             [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA if k not in self.ON_DEVICE)],
             dtype=torch.float64,

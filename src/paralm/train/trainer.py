@@ -1,7 +1,6 @@
 """The training loop: the same for every strategy; what differs is composed before it starts.
 
-`train(config)` joins the job and runs it: a parameter-server job (`paralm.param_server`), or the
-loop. The loop restores the latest checkpoint and runs steps on the step engine
+The loop (`paralm.job` starts it) restores the latest checkpoint and runs steps on the step engine
 (`paralm.train.engine`: data, the parallelized model, forward/backward, evaluation). A step is:
 micro-batches forward and backward (gradients synced only on the last), clip, optimizer step, and one
 metrics row with the loss averaged over the whole global batch.
@@ -12,42 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from paralm.config import Config
-from paralm.errors import Interrupted, note_failure
-from paralm.hardware import device_peak_flops, startup_notes
+from paralm.config.schema import Config
+from paralm.errors import Interrupted
+from paralm.hardware import startup_notes
 from paralm.observe.run import RunObserver
-from paralm.parallel.runtime import Runtime, init_runtime, shutdown
-from paralm.param_server.run import run_parameter_server
+from paralm.parallel.runtime import Runtime
 from paralm.train.bad_steps import BadSteps
 from paralm.train.engine import StepEngine
 from paralm.train.interrupt import StopSignals, signal_name
 from paralm.train.loop_checkpoints import LoopCheckpoints
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
-from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes
+from paralm.train.metrics import banner, open_run_log
 from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
 from paralm.train.step_metrics import StepMetrics
-
-
-def train(config: Config) -> None:
-    observer = RunObserver(config)  # before the process group: NCCL's flight recorder reads its settings there
-    runtime = init_runtime(config.parallel, config.sync)
-    try:
-        with runtime.counting(config.log.comm_bytes):  # every collective from here on (paralm.parallel.comm_stats)
-            if config.sync.mode == "parameter_server":
-                run_parameter_server(config, runtime)
-            else:
-                Trainer(config, runtime, observer).fit()
-    except Interrupted:
-        observer.close()
-        shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together
-        raise
-    except BaseException as error:
-        note_failure()  # before leaving the group: its peers fail when it does, and this rank failed first
-        observer.failed(error)  # into logs/rank<r>.log; a timed-out collective: hang/rank<r>.txt
-        shutdown(runtime, together=False)
-        raise
-    observer.close()
-    shutdown(runtime)
 
 
 class Trainer:
@@ -57,36 +33,22 @@ class Trainer:
         self.config, self.runtime, self.device = config, runtime, runtime.device
         t = config.train
         self.engine = engine = StepEngine(config, runtime)
-        self.own_observer = observer is None  # closed by `fit`, else by `train`
-        self.observer = observer or RunObserver(config)
-        notes = self.observer.attach(runtime, engine.module)
-        self.optimizer = engine.plan.prepare_optimizer(
-            build_optimizer(engine.model, t, loss_scaling=config.precision.dtype == "fp16")
-        )
-        self.memory = ModelStateMeter(engine.model, self.optimizer, engine.plan.sync.stepped_optimizer(self.optimizer))
+        self.observer = observer or RunObserver(config, closed_by_fit=True)  # `paralm.job` gives the run's
+        self.observer.attach(runtime, engine.module)
+        self.optimizer = engine.sync.prepare(build_optimizer(engine.model, t, config.precision.dtype == "fp16"))
+        self.memory = ModelStateMeter(engine.model, self.optimizer)
         self.memory_prediction = predict(config, engine.model, runtime.dims.zero_stage, runtime.dims.shards)
-        self.bad = BadSteps(config, runtime, engine.plan.sync)
+        self.bad = BadSteps(config, runtime, engine.sync)
         self.checkpoints = LoopCheckpoints(config, runtime, engine, self.optimizer)
         self.step, self.samples_seen = self.checkpoints.restore()
-        peak_flops = device_peak_flops(self.device, config.precision.dtype)
-        self.metrics = StepMetrics(
-            runtime,
-            Throughput(engine.shape.flops_per_token, peak_flops, runtime.world_size),
-            tokens_per_step=engine.group_batch * config.model.block_size,
-            loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
-            every=config.log.every if self.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
-            comm_bytes=config.log.comm_bytes,
-            moe_experts=config.model.moe_experts,
-        )
+        self.metrics = StepMetrics.of_run(config, runtime, engine.shape.flops_per_token, engine.group_batch)
         self.logger = None
         if runtime.is_main:
             self.logger = open_run_log(config, self.step)
             self.logger.message(banner(engine.describe(), self.step, t.steps))
-            for note in startup_notes(self.device, config.precision.dtype):
+            for note in [*startup_notes(self.device, config.precision.dtype), *self.observer.notes]:
                 self.logger.message(note)
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
-            for note in notes:
-                self.logger.message(note)
 
     def fit(self) -> None:
         # SIGINT/SIGTERM: stop after a step all agree on
@@ -94,8 +56,7 @@ class Trainer:
             self.observer.stop_on(self.stop)
             self._fit()
             self.checkpoints.wait()  # the last checkpoint is complete before the job ends
-        if self.own_observer:
-            self.observer.close()
+        self.observer.fit_ended()
 
     def _fit(self) -> None:
         t, ckpt = self.config.train, self.config.checkpoint
@@ -137,8 +98,7 @@ class Trainer:
                 self.logger.message(describe_measured(row, self.memory_prediction))
             self.logger.write(row)
             self.logger.progress(row)
-            if straggler := self.observer.review(row):
-                self.logger.message(straggler)
+            self.observer.review(row, self.logger.message)  # a persistent straggler: one warning line
 
     def _stop(self, signum: int) -> None:
         """Every rank saw the same flag before this step: save (unless done already) and leave."""
@@ -154,57 +114,45 @@ class Trainer:
     def train_step(self) -> bool:
         """One optimizer step; its metrics wait on the device for `self.metrics.read_back()`. False: the
         sync strategy did not commit it (nothing changed)."""
-        engine = self.engine
+        engine, sync = self.engine, self.engine.sync
         self.metrics.start_step()
-        self.step, self.samples_seen = engine.plan.sync.start_step(self.step, self.samples_seen)
+        self.step, self.samples_seen = sync.start_step(self.step, self.samples_seen)
         self.observer.step_started(self.step)
         engine.plan.before_step(self.config.train.seed, self.step)
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
 
-        batches = engine.micro_batches(self.samples_seen)
-        self.observer.forward_begins()
-        loss_sum = engine.forward_backward(batches)
+        loss_sum = engine.forward_backward(self.observer.forward_begins(engine.micro_batches(self.samples_seen)))
         engine.scaler.unscale_(self.optimizer)
         self.memory.after_backward()
-        engine.plan.sync.after_backward()
-        if not engine.plan.sync.commit():
+        if not sync.after_backward():  # a replica group failed during the step
             self.optimizer.zero_grad(set_to_none=True)
             return False
-        grad_norm = engine.plan.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
+        grad_norm = engine.clip_grad_norm_(self.config.train.grad_clip or float("inf"))
         # on the device: a bad step is skipped without the host reading whether it was (fp16: the scaler's)
         skipped, scaling = self.bad.step(self.optimizer, engine.scaler, grad_norm)
-        engine.plan.sync.settle(skipped, engine.scaler.rescale)  # a skipped step leaves its state as it was
-        routing = engine.plan.routing_step(skipped)  # MoE: the step's balance, and loss-free balancing
+        sync.settle(skipped, engine.scaler.rescale)  # a skipped step leaves its state as it was
         self.optimizer.zero_grad(set_to_none=True)
-        engine.plan.sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
-        if engine.masks:  # pruned weights stay zero
-            engine.masks.apply()
+        sync.after_step(self.step + 1, last=self.step + 1 == self.config.train.steps)
+        produced = engine.after_step(skipped)  # hooks: MoE balance, pruning masks
         self.samples_seen += engine.layout.global_batch
         if self.logger and scaling.get("overflow"):
             self.logger.message(
                 f"step {self.step}: fp16 gradients overflowed; step skipped, loss scale lowered to "
                 f"{scaling['loss_scale']:g}"
             )
-        counters = {
-            **self.memory.after_step(),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-            **self.observer.step_ended(self.step),
-        }
-        if self.config.log.comm_bytes:
-            counters["comm_bytes"] = self.runtime.comm.take_step()[0]
         flag = None if self.bad.fp16 else skipped  # fp16 rows say `overflow` instead
         self.metrics.add(
             self.step,
             loss_sum,
             grad_norm,
-            counters,
+            {**self.memory.after_step(), **self.observer.step_ended(self.step)},  # own time: `observe.stragglers`
             flag,
-            routing,
+            produced.get("moe"),
             lr=lr,
             samples_seen=self.samples_seen,
             **scaling,
-            **engine.plan.sync.step_metrics(),
+            **sync.step_metrics(),
         )
         return True
 

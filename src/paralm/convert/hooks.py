@@ -1,0 +1,43 @@
+"""After-step hooks: work after each optimizer step, registered by the engine instead of written into the
+loop. Each is called with the step's skip flag (a bool on the device) and returns device values for the
+step's metrics row (names `paralm.train.step_metrics` knows), without the host waiting for them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paralm.convert.masks import Masks
+from paralm.models.moe import moe_layers, take_statistics, update_balance
+
+
+class AfterStep(Protocol):
+    def after_step(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+
+class MoEBalance:
+    """The step's routing statistics for the metrics (`moe`), and the loss-free balancing bias moved by the
+    whole step's tokens per expert (summed over `group`)."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        self.model, self.group = model, group
+
+    def after_step(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+        statistics = take_statistics(self.model)
+        if statistics is None:
+            return {}
+        update_balance(self.model, statistics, self.group, skipped)
+        return {"moe": statistics}
+
+
+def after_step_hooks(model: nn.Module, group: dist.ProcessGroup | None, masks: Masks | None) -> list[AfterStep]:
+    """The hooks a model needs: MoE balance where it has MoE layers, pruning masks where the run has them."""
+    hooks: list[AfterStep] = []
+    if moe_layers(model):
+        hooks.append(MoEBalance(model, group))
+    if masks is not None:
+        hooks.append(masks)
+    return hooks

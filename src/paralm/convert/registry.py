@@ -1,0 +1,47 @@
+"""Converters by name (torchtitan's model converters): each swaps modules of the plain model before any
+strategy sees it, so tensor, pipeline and data parallelism shard the new layers as they would the old.
+
+A converter is on when the config asks for it; `apply_converters` runs those that are, in this order,
+on the whole model or on each pipeline stage. A new module swap (LoRA) is one more entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paralm.config.schema import Config
+from paralm.convert.float8 import apply_float8
+from paralm.convert.qat import apply_qat
+from paralm.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Converter:
+    enabled: Callable[[Config], bool]
+    apply: Callable[[nn.Module, ModelSpec, Config, torch.device], None]
+
+
+CONVERTERS: dict[str, Converter] = {
+    "qat": Converter(
+        enabled=lambda config: config.train.qat != "none",
+        apply=lambda model, spec, config, device: apply_qat(model, spec, config.train.qat),
+    ),
+    "float8": Converter(
+        enabled=lambda config: config.precision.float8,
+        apply=lambda model, spec, config, device: apply_float8(model, spec, device),
+    ),
+}
+
+
+def enabled_converters(config: Config) -> list[str]:
+    return [name for name, converter in CONVERTERS.items() if converter.enabled(config)]
+
+
+def apply_converters(model: nn.Module, spec: ModelSpec, config: Config, device: torch.device) -> None:
+    """Swap the modules every enabled converter swaps (any device, meta included)."""
+    for name in enabled_converters(config):
+        CONVERTERS[name].apply(model, spec, config, device)

@@ -1,0 +1,238 @@
+"""Published GPU training runs the planner can price, each figure with its source.
+
+Data only: the validation (`paralm.plan.validate`) prices each run's stated layout on its stated
+hardware with the planner's physics and the presets' constants; nothing here is fitted to a row.
+Every row says what it assumed that its source leaves unstated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paralm.hardware import gpu_variant
+
+TORCHTITAN_2024 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 820504e20d11"
+TORCHTITAN_ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @ 820504e20d11"
+BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @ 067f987df03b, 25.11 DGX-H100"
+LLAMA3_PAPER = "Meta, The Llama 3 Herd of Models (2024), table 4"
+
+LLAMA3_8B = ("llama", 32, 4096, 32, 8, 14336)
+LLAMA3_70B = ("llama", 80, 8192, 64, 8, 28672)
+LLAMA3_405B = ("llama", 126, 16384, 128, 8, 53248)
+
+# torchtitan's hosts: Grand Teton, H100 with 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s per GPU. Their note
+# puts the peak between the SXM's and the NVL's datasheet figures, exactly unknown: the midpoint here.
+_SXM, _NVL = gpu_variant("H100 SXM").peaks, gpu_variant("H100 NVL").peaks
+GRAND_TETON = {
+    "memory_bytes": 96e9,
+    "memory_bandwidth": 0.9 * 2.4e12,
+    "peak_flops": {dtype: (_SXM[dtype] + _NVL[dtype]) / 2 for dtype in ("fp32", "bf16", "fp16", "fp8")},
+}
+TITAN = "peak midway between SXM and NVL (torchtitan: between, unknown); bf16 compute, fp32 reduction"
+SAC = "torchtitan's per-op selective AC priced as paralm's (every second block recomputed)"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    published: float  # tokens/s per GPU ("tokens"), or MFU ("mfu")
+    model: tuple[str, int, int, int, int, int]  # family, layers, d_model, heads, kv heads, ffn width
+    seq: int
+    gpus: int
+    layout: dict[str, object]  # Layout fields the run states (or that the row assumes, see `assumed`)
+    global_batch: int
+    assumed: str  # what the source does not state
+    metric: str = "tokens"
+    float8: bool = False
+    compiled: bool = False
+    recipe: str = "fp32-master"
+    attention_kernel: str = "flash2"
+    cluster: dict[str, float] = field(default_factory=dict)  # replaced fields of the h100 preset
+    vocab: int = 128256
+
+
+def _titan_8b(name: str, table: str, gpus: int, value: float, **flags: bool) -> PublishedRun:
+    return PublishedRun(
+        name,
+        f"{TORCHTITAN_2024}, {table}",
+        value,
+        LLAMA3_8B,
+        8192,
+        gpus,
+        dict(dp_shard=gpus, zero=3, micro_batch_size=2, activation_checkpointing="selective"),
+        2 * gpus,
+        f"{TITAN}; {SAC}",
+        cluster=GRAND_TETON,
+        **flags,
+    )
+
+
+RUNS: tuple[PublishedRun, ...] = (
+    _titan_8b("torchtitan 8B FSDP, 8 H100", "table 1", 8, 5762),
+    _titan_8b("torchtitan 8B FSDP compiled, 8 H100", "table 1", 8, 6667, compiled=True),
+    _titan_8b("torchtitan 8B FSDP compiled FP8, 8 H100", "table 1", 8, 8532, compiled=True, float8=True),
+    _titan_8b("torchtitan 8B FSDP, 128 H100", "table 3", 128, 5605),
+    _titan_8b("torchtitan 8B FSDP compiled, 128 H100", "table 3", 128, 6514, compiled=True),
+    _titan_8b("torchtitan 8B FSDP compiled FP8, 128 H100", "table 3", 128, 8380, compiled=True, float8=True),
+    PublishedRun(
+        "torchtitan 8B FSDP 8 x TP 8 compiled, 64 H100",
+        f"{TORCHTITAN_ASYNC_TP}, Llama3 8b table, bfloat16, vanilla TP",
+        4378,
+        LLAMA3_8B,
+        8192,
+        64,
+        dict(
+            dp_shard=8, zero=3, tp=8, sequence_parallel=True, micro_batch_size=12, activation_checkpointing="selective"
+        ),
+        96,
+        f"{TITAN}; {SAC}; sequence parallel on (torchtitan's TP default)",
+        cluster=GRAND_TETON,
+        compiled=True,
+    ),
+    PublishedRun(
+        "torchtitan 70B FSDP 32 x TP 8 compiled, 256 H100",
+        f"{TORCHTITAN_ASYNC_TP}, Llama3 70b table, bfloat16, vanilla TP",
+        597.3,
+        LLAMA3_70B,
+        8192,
+        256,
+        dict(dp_shard=32, zero=3, tp=8, sequence_parallel=True, micro_batch_size=16, activation_checkpointing="full"),
+        512,
+        f"{TITAN}; sequence parallel on (torchtitan's TP default)",
+        cluster=GRAND_TETON,
+        compiled=True,
+    ),
+    PublishedRun(
+        "torchtitan 70B FSDP 32 x TP 8 compiled FP8, 256 H100",
+        f"{TORCHTITAN_2024}, table 4, 2D",
+        829,
+        LLAMA3_70B,
+        8192,
+        256,
+        dict(dp_shard=32, zero=3, tp=8, sequence_parallel=True, micro_batch_size=16, activation_checkpointing="full"),
+        512,
+        f"{TITAN}; sequence parallel on (torchtitan's TP default)",
+        cluster=GRAND_TETON,
+        compiled=True,
+        float8=True,
+    ),
+    PublishedRun(
+        "torchtitan 405B FSDP 8 x TP 8 x PP 8 interleaved, 512 H100",
+        f"{TORCHTITAN_2024}, table 5, Interleaved 1F1B",
+        128,
+        LLAMA3_405B,
+        8192,
+        512,
+        dict(
+            dp_shard=8,
+            zero=3,
+            tp=8,
+            sequence_parallel=True,
+            pp=8,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=2,
+            pp_microbatches=32,
+            micro_batch_size=32,
+            activation_checkpointing="full",
+        ),
+        256,
+        f"{TITAN}; pipeline micro-batches of 1 sequence and 2 stages per rank (torchtitan's defaults); "
+        "async TP priced as plain TP",
+        cluster=GRAND_TETON,
+        compiled=True,
+        float8=True,
+    ),
+    PublishedRun(
+        "Megatron-Bridge 8B FSDP FP8, 8 H100",
+        f"{BRIDGE}, LLAMA3_8B",
+        14451,
+        LLAMA3_8B,
+        8192,
+        8,
+        dict(dp_shard=8, zero=3, micro_batch_size=1, grad_accum=16),
+        128,
+        "no activation recompute; Transformer Engine's fused kernels priced as compiled, its attention as "
+        "cuDNN's; Megatron's fp32 gradients and master weights",
+        recipe="fp32-grads",
+        compiled=True,
+        float8=True,
+        attention_kernel="cudnn",
+    ),
+    PublishedRun(
+        "Megatron-Bridge 70B TP 4 x PP 8 (VP 5) FP8, 64 H100",
+        f"{BRIDGE}, LLAMA3_70B",
+        1602,
+        LLAMA3_70B,
+        8192,
+        64,
+        dict(
+            dp_shard=2,
+            zero=1,
+            tp=4,
+            sequence_parallel=True,
+            pp=8,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=5,
+            pp_microbatches=64,
+            micro_batch_size=64,
+        ),
+        128,
+        "no activation recompute; distributed optimizer as ZeRO-1; sequence parallel on; fused kernels "
+        "priced as compiled, attention as cuDNN's",
+        recipe="fp32-grads",
+        compiled=True,
+        float8=True,
+        attention_kernel="cudnn",
+    ),
+    PublishedRun(
+        "Llama 3 405B TP 8 x PP 16, 8192 H100",
+        f"{LLAMA3_PAPER}, 8,192 GPUs",
+        0.43,
+        LLAMA3_405B,
+        8192,
+        8192,
+        dict(
+            dp_shard=64,
+            zero=1,
+            tp=8,
+            sequence_parallel=True,
+            pp=16,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=2,
+            pp_microbatches=32,
+            micro_batch_size=32,
+        ),
+        2048,
+        "MFU as 6N + 12 L d s; pipeline micro-batches of 1 sequence, 2 stages per rank; no recompute; "
+        "sharded optimizer as ZeRO-1; fused kernels priced as compiled; attention as torch's FlashAttention-2",
+        metric="mfu",
+        recipe="fp32-grads",
+        compiled=True,
+    ),
+    PublishedRun(
+        "Llama 3 405B TP 8 x PP 16, 16384 H100",
+        f"{LLAMA3_PAPER}, 16,384 GPUs, CP 1",
+        0.41,
+        LLAMA3_405B,
+        8192,
+        16384,
+        dict(
+            dp_shard=128,
+            zero=1,
+            tp=8,
+            sequence_parallel=True,
+            pp=16,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=2,
+            pp_microbatches=16,
+            micro_batch_size=16,
+        ),
+        2048,
+        "MFU as 6N + 12 L d s; pipeline micro-batches of 1 sequence, 2 stages per rank; no recompute; "
+        "sharded optimizer as ZeRO-1; fused kernels priced as compiled; attention as torch's FlashAttention-2",
+        metric="mfu",
+        recipe="fp32-grads",
+        compiled=True,
+    ),
+)

@@ -1,0 +1,108 @@
+"""`paralm plan --validate`: the planner against the published runs it ships (`paralm.plan.published`).
+
+Each run is priced as published: its model, its layout and batch, its hardware (the h100 preset with
+what the source states about its machines); nothing is searched or fitted. The error of a row is
+|predicted / published - 1|; the last line sums them up for scripts: `published runs: N, mean error X%,
+worst Y%`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from paralm.plan.cluster import PRESETS
+from paralm.plan.layout import Layout, Workload
+from paralm.plan.published import RUNS, PublishedRun
+from paralm.plan.report import table
+from paralm.plan.request import load_request
+from paralm.plan.search import evaluate
+
+LAYOUT_DEFAULTS: dict[str, object] = dict(
+    dp_replicate=1,
+    dp_shard=1,
+    zero=0,
+    tp=1,
+    sequence_parallel=False,
+    pp=1,
+    pp_schedule="1f1b",
+    pp_microbatches=1,
+    pp_virtual_stages=1,
+    micro_batch_size=1,
+    grad_accum=1,
+    activation_checkpointing="none",
+)
+
+
+@dataclass(frozen=True)
+class Priced:
+    run: PublishedRun
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return abs(self.predicted / self.run.published - 1)
+
+
+def predict(run: PublishedRun) -> float:
+    """The run's tokens/s per GPU (or MFU) as the planner prices its stated layout and hardware."""
+    family, layers, d, heads, kv, ffn = run.model
+    overrides = [
+        f"--model.family={family}",
+        f"--model.n_layer={layers}",
+        f"--model.d_model={d}",
+        f"--model.n_head={heads}",
+        f"--model.n_kv_heads={kv}",
+        f"--model.ffn_hidden={ffn}",
+        f"--model.vocab_size={run.vocab}",
+        f"--model.block_size={run.seq}",
+        "--precision.dtype=bf16",
+    ]
+    config, _ = load_request(None, overrides)
+    work = dataclasses.replace(
+        Workload.from_config(config, run.global_batch, run.recipe),
+        float8=run.float8,
+        compiled=run.compiled,
+        attention_kernel=run.attention_kernel,
+    )
+    cluster = dataclasses.replace(PRESETS["h100"].with_devices(run.gpus), **run.cluster)
+    layout = Layout(**(LAYOUT_DEFAULTS | run.layout))
+    plan = evaluate(layout, work, cluster)
+    return plan.mfu if run.metric == "mfu" else plan.tokens_per_s / run.gpus
+
+
+@functools.cache
+def validation() -> tuple[Priced, ...]:
+    return tuple(Priced(run, predict(run)) for run in RUNS)
+
+
+def summary_line() -> str:
+    errors = [p.error for p in validation()]
+    return (
+        f"published runs: {len(errors)}, mean error {100 * sum(errors) / len(errors):.1f}%, "
+        f"worst {100 * max(errors):.1f}%"
+    )
+
+
+def error_line() -> str:
+    """The line `paralm plan` and `--parallel.auto` print beside their predictions."""
+    errors = [p.error for p in validation()]
+    return (
+        f"planner error on published runs: mean {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}%"
+    )
+
+
+def report() -> str:
+    """The table of every row (name, predicted, published, error, source, assumptions) and the summary."""
+
+    def value(run: PublishedRun, x: float) -> str:
+        return f"{100 * x:.1f}% MFU" if run.metric == "mfu" else f"{x:,.0f} tok/s/GPU"
+
+    rows = [
+        (p.run.name, value(p.run, p.predicted), value(p.run, p.run.published), f"{100 * p.error:.1f}%")
+        for p in validation()
+    ]
+    notes = [f"  {i}. {p.run.source}; assumed: {p.run.assumed}" for i, p in enumerate(validation(), 1)]
+    headers = ("run", "predicted", "published", "error")
+    return "\n".join([table(rows, headers), "sources and assumptions:", *notes, summary_line()])

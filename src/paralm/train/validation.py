@@ -1,0 +1,54 @@
+"""Validation loss over fixed windows, the same for any number of data-parallel ranks: training evaluates
+with it, and so does `paralm eval`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paralm.data.sampler import sample_windows
+from paralm.data.shards import TokenDataset
+from paralm.parallel.runtime import Runtime
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]  # None where a rank computes no loss
+
+# Validation windows come from a stream of their own, so they never depend on training's progress.
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@torch.no_grad()
+def validation_loss(
+    model: nn.Module,
+    batch_loss: BatchLoss,
+    dataset: TokenDataset,
+    runtime: Runtime | None,
+    samples: int,
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+) -> tuple[float, int]:
+    """Mean loss over `samples` fixed windows and the number of tokens scored; `batch_loss` scores one
+    batch (`ParallelPlan.eval_loss` in training), `model` is switched to evaluation mode meanwhile.
+
+    The windows are split over data-parallel ranks and their loss sums added up, so the result is
+    the same for any number of ranks.
+    """
+    windows = sample_windows(seed + EVAL_SEED_OFFSET, 0, samples, dataset.num_windows)
+    if runtime is not None:
+        windows = windows[runtime.dp_rank :: runtime.dims.dp]
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    for start in range(0, len(windows), micro_batch_size):
+        x, y = (t.to(device) for t in dataset.batch(windows[start : start + micro_batch_size]))
+        loss = batch_loss(x, y)
+        if loss is not None:  # None on pipeline ranks without the last stage: they add nothing
+            total += torch.stack(
+                [loss.double() * y.numel(), torch.tensor(y.numel(), dtype=torch.float64, device=device)]
+            )
+    model.train(was_training)
+    if runtime is not None:
+        runtime.all_reduce(total)
+    return (total[0] / total[1]).item(), int(total[1].item())

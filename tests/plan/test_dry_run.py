@@ -1,0 +1,42 @@
+"""`paralm train --dry-run N`: the real parallelize on a fake process group, nothing allocated; what each
+rank holds as measured from its shards agrees with the planner's model states."""
+
+import json
+
+import pytest
+
+from paralm.cli import main
+
+SMALL_LLAMA = [
+    "--model.family=llama",
+    "--model.n_layer=4",
+    "--model.n_head=8",
+    "--model.n_kv_heads=2",
+    "--model.d_model=256",
+    "--model.ffn_hidden=704",
+    "--model.vocab_size=512",
+    "--model.block_size=128",
+    "--precision.dtype=bf16",
+]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallel.zero=3"], ["--parallel.tp=2", "--parallel.zero=3"], ["--parallel.pp=2", "--parallel.zero=2"]],
+    ids=["zero3", "tp2-zero3", "pp2-zero2"],
+)
+def test_dry_run_measures_what_the_planner_plans(layout: list[str], tmp_path) -> None:
+    assert main(["train", *SMALL_LLAMA, *layout, "--dry-run", "8", f"--run.dir={tmp_path}"]) == 0
+    record = json.loads((tmp_path / "dry_run.json").read_text())
+    assert record["world_size"] == 8
+    for rank in record["ranks"]:
+        measured, planned = rank["measured_bytes_per_rank"], rank["planned_bytes_per_rank"]
+        assert measured["parameters"] > 0
+        for key in ("parameters", "gradients", "optimizer"):
+            assert measured[key] == pytest.approx(planned[key], rel=0.05), (rank["rank"], key)
+    assert len(record["ranks"]) == (2 if "--parallel.pp=2" in layout else 1)
+
+
+def test_dry_run_refuses_a_layout_that_does_not_divide(tmp_path, capsys) -> None:
+    assert main(["train", *SMALL_LLAMA, "--parallel.tp=3", "--dry-run", "8", f"--run.dir={tmp_path}"]) == 2
+    assert "tp" in capsys.readouterr().err
