@@ -70,6 +70,7 @@ ARGS = {
         "--block",
         "32",
     ],
+    "observe_overhead.py": ["--steps", "1", "--rounds", "1", "--d-model", "32", "--n-layer", "1"],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "moe.py": ["--steps", "3", "--eps", "2"],
     "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],

@@ -12,7 +12,14 @@ import os
 import sys
 from pathlib import Path
 
-from paralm.errors import USER_ERROR_EXIT_CODE, Interrupted, UserError, refuse_overrides, to_launcher
+from paralm.errors import (
+    USER_ERROR_EXIT_CODE,
+    Interrupted,
+    UserError,
+    is_written_out,
+    refuse_overrides,
+    to_launcher,
+)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -38,7 +45,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from paralm.config.dims import ParallelDims
 
         ParallelDims.from_config(config.parallel, config.sync, args.nproc)  # fail before spawning
-        return launch_local_workers(args.nproc, ["train", *_config_args(args), *overrides], args.max_restarts)
+        argv = ["train", *_config_args(args), *overrides]
+        return launch_local_workers(args.nproc, argv, args.max_restarts, config.run.dir)
     train(config)
     return 0
 
@@ -327,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_once("paralm: interrupted")
         return 130
     except Exception as e:  # a bug: its traceback follows; under --nproc the launcher learns when it happened
-        to_launcher(f"{type(e).__name__}: {e}")
+        if to_launcher(f"{type(e).__name__}: {e}") and is_written_out(e):
+            return 1  # a collective timed out: the launcher names who hung; the traceback is in the rank's files
         raise
 
 

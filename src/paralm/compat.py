@@ -6,6 +6,7 @@ does the job in torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import urllib.request
 from collections.abc import Iterator
@@ -39,8 +40,11 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "current_dispatch_mode",
+    "dump_cuda_memory_snapshot",
     "flatten_mesh",
+    "flight_recorder",
     "init_fake_process_group",
+    "record_cuda_memory_history",
     "replicate",
     "resolve_process_group",
     "step_unless_flagged",
@@ -194,3 +198,23 @@ def all_to_all_autograd(
 ) -> torch.Tensor:
     """`all_to_all_single` with a backward (the reverse exchange); torch's public autograd form is deprecated."""
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group))
+
+
+def flight_recorder() -> dict[str, Any]:
+    """This rank's collectives as torch's flight recorder holds them (each process group's enqueued and
+    completed sequence numbers, and the last entries: op, sizes, when created). In torch 2.13 it records
+    gloo as well as NCCL, the collectives DDP issues from C++ included; only `_dump_fr_trace_json` reads
+    it from a live process (the public `torch.distributed.flight_recorder` analyses dumps)."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return json.loads(_dump_fr_trace_json(True, False))
+
+
+def record_cuda_memory_history(on: bool) -> None:
+    """Start (or stop) recording every CUDA allocation with its stack; no public API in torch 2.13."""
+    torch.cuda.memory._record_memory_history(max_entries=100_000 if on else 0, enabled="all" if on else None)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """The recorded history as a pickle for https://pytorch.org/memory_viz; no public API in torch 2.13."""
+    torch.cuda.memory._dump_snapshot(path)

@@ -30,6 +30,7 @@ ERRORS_TO_LAUNCHER_ENV = "PARALM_ERRORS_TO_LAUNCHER"
 # `timestamp` is whole seconds, too coarse to tell which of two ranks failed first).
 FAILED_AT_FIELD = "failed_at"
 _failed_at: list[float] = []
+_written_out: list[BaseException] = []
 
 
 def note_failure() -> float:
@@ -38,6 +39,16 @@ def note_failure() -> float:
     if not _failed_at:
         _failed_at.append(time.time())
     return _failed_at[0]
+
+
+def written_out(error: BaseException) -> None:
+    """`error` is written in full in this rank's files (its log and hang report, `paralm.observe`), from
+    which the launcher of `paralm train --nproc` tells it in one line: the worker need not print it too."""
+    _written_out.append(error)
+
+
+def is_written_out(error: BaseException) -> bool:
+    return any(error is e for e in _written_out)
 
 
 def to_launcher(message: str) -> bool:

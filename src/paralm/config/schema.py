@@ -199,6 +199,12 @@ class LogConfig:
     comm_bytes: bool = option(
         False, "count the bytes every rank hands to torch.distributed (comm_bytes per step, comm.json); slows steps"
     )
+    straggler_threshold_s: float = option(
+        0.1, "name a rank slowest in most of the last 8 steps by more than this and 10% of the step; 0: never"
+    )
+    memory_snapshot_steps: list[int] = option(
+        [], "[a, b]: record CUDA memory history from step a to b into <run.dir>/memory/ (GPUs only)"
+    )
 
 
 @dataclass

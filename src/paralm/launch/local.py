@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -13,18 +15,21 @@ from torch.distributed.run import get_args_parser, run
 
 from paralm.errors import ERRORS_TO_LAUNCHER_ENV, FAILED_AT_FIELD, USER_ERROR_EXIT_CODE
 from paralm.launch.lifeline import PARENT_ENV
+from paralm.observe.hang_report import hang_line
 
 # Workers stopped by SIGINT/SIGTERM save a checkpoint first: give them this long before SIGKILL.
 SHUTDOWN_TIMEOUT_S = 300
 
 
-def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int = 0) -> int:
+def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int = 0, run_dir: str | None = None) -> int:
     """Equivalent to `torchrun --standalone --nproc-per-node N --max-restarts K -m paralm ARGS`.
 
     Returns the exit code. A worker's user error comes back through torchrun's error file and is
     printed here, once, with exit 2; a job stopped by SIGINT/SIGTERM exits 130/143 (rank 0 already
-    said where it saved); anything else names the rank that failed first.
+    said where it saved); a collective that timed out names the rank that did not arrive (from the
+    ranks' reports in `run_dir`/hang/); anything else names the rank that failed first.
     """
+    started = time.time()
     # torchrun would give every worker one thread; share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[ERRORS_TO_LAUNCHER_ENV] = "1"
@@ -48,11 +53,11 @@ def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int =
             signal.signal(stop, signal.SIG_IGN)  # not raise while this process exits, with a traceback
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        return _report_failure(e)
+        return _report_failure(e, (Path(run_dir), started, nproc) if run_dir else None)
     return 0
 
 
-def _report_failure(error: ChildFailedError) -> int:
+def _report_failure(error: ChildFailedError, hang: tuple[Path, float, int] | None = None) -> int:
     failures = in_order_of_failure(error.failures)
     user_errors = [f for _, f in failures if f.exitcode == USER_ERROR_EXIT_CODE and f.message]
     if user_errors:  # the peers it left behind were stopped by the launcher: not the story
@@ -61,6 +66,9 @@ def _report_failure(error: ChildFailedError) -> int:
     stopped = {f.exitcode for _, f in failures if f.exitcode in (130, 143)}
     if stopped and all(f.exitcode in (130, 143) or f.exitcode < 0 for _, f in failures):
         return max(stopped)  # stopped by a signal sent to the workers; rank 0 printed the line
+    if hang and (line := hang_line(*hang)):
+        print(line, file=sys.stderr)
+        return 1
     by_agent = _stopped_by_agent(error.failures)
     described = [f"rank {rank} {_cause(failure, rank in by_agent)}" for rank, failure in failures]
     print(f"paralm: worker {described[0]}" + "".join(f"; then {d}" for d in described[1:]), file=sys.stderr)

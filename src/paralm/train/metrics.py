@@ -106,6 +106,8 @@ class MetricsLogger:
             summary += f" | moe max/mean {row['moe_load_imbalance']:.2f}"
         if row.get("val_loss") is not None:
             summary += f" | val {row['val_loss']:.4f}"
+        if row.get("step_time_spread") is not None:
+            summary += f" | spread {row['step_time_spread']:.2f}s (rank {row['slowest_rank']} slowest)"
         if self._interactive:
             self._bar.update(1)
             self._bar.set_postfix_str(summary, refresh=False)

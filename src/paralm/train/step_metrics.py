@@ -24,6 +24,7 @@ import torch
 from paralm.config.schema import Config
 from paralm.hardware import device_peak_flops
 from paralm.models.moe import balance_figures
+from paralm.observe.stragglers import decode
 from paralm.parallel.runtime import Runtime
 from paralm.train.metrics import Throughput, peak_memory_bytes, step_row
 
@@ -49,6 +50,7 @@ class StepMetrics:
 
     SUMS = ("loss", "comm_bytes")
     MAXIMA = ("grad_norm", "skipped", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
+    MAXIMA += ("own_slowest", "own_neg_fastest")  # each rank's own time (`paralm.observe.stragglers`)
     ON_DEVICE = ("loss", "grad_norm", "skipped")
 
     @classmethod
@@ -119,6 +121,7 @@ class StepMetrics:
                 named.pop(k) for k in ("loss", "grad_norm", "comm_bytes", "skipped")
             )
             host = pending.host | ({"skipped": True} if skipped else {})
+            own = decode(named.pop("own_slowest"), named.pop("own_neg_fastest"), self.runtime.world_size)
             rows.append(
                 step_row(
                     pending.step,
@@ -126,6 +129,7 @@ class StepMetrics:
                     host.pop("lr"),
                     None if host.get("overflow") else grad_norm,  # an overflow has none (a skip: `BadSteps.review`)
                     **self.throughput.row(self.tokens_per_step, seconds),
+                    **own,
                     **{k: int(v) for k, v in named.items()},
                     **host,
                     **({"comm_bytes": int(comm_bytes)} if self.comm_bytes else {}),

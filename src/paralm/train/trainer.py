@@ -14,6 +14,7 @@ from typing import Any
 from paralm.config.schema import Config
 from paralm.errors import Interrupted
 from paralm.hardware import startup_notes
+from paralm.observe.run import RunObserver
 from paralm.parallel.runtime import Runtime
 from paralm.train.bad_steps import BadSteps
 from paralm.train.engine import StepEngine
@@ -28,10 +29,12 @@ from paralm.train.step_metrics import StepMetrics
 class Trainer:
     """The loop on a step engine: optimizer steps, metrics, checkpoints, bad steps and stop signals."""
 
-    def __init__(self, config: Config, runtime: Runtime) -> None:
+    def __init__(self, config: Config, runtime: Runtime, observer: RunObserver | None = None) -> None:
         self.config, self.runtime, self.device = config, runtime, runtime.device
         t = config.train
         self.engine = engine = StepEngine(config, runtime)
+        self.observer = observer or RunObserver(config, closed_by_fit=True)  # `paralm.job` gives the run's
+        self.observer.attach(runtime, engine.module)
         self.optimizer = engine.sync.prepare(build_optimizer(engine.model, t, config.precision.dtype == "fp16"))
         self.memory = ModelStateMeter(engine.model, self.optimizer)
         self.memory_prediction = predict(config, engine.model, runtime.dims.zero_stage, runtime.dims.shards)
@@ -43,15 +46,17 @@ class Trainer:
         if runtime.is_main:
             self.logger = open_run_log(config, self.step)
             self.logger.message(banner(engine.describe(), self.step, t.steps))
-            for note in startup_notes(self.device, config.precision.dtype):
+            for note in [*startup_notes(self.device, config.precision.dtype), *self.observer.notes]:
                 self.logger.message(note)
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 
     def fit(self) -> None:
         # SIGINT/SIGTERM: stop after a step all agree on
         with StopSignals() as self.stop, self.runtime.counting(self.config.log.comm_bytes):
+            self.observer.stop_on(self.stop)
             self._fit()
             self.checkpoints.wait()  # the last checkpoint is complete before the job ends
+        self.observer.fit_ended()
 
     def _fit(self) -> None:
         t, ckpt = self.config.train, self.config.checkpoint
@@ -93,6 +98,7 @@ class Trainer:
                 self.logger.message(describe_measured(row, self.memory_prediction))
             self.logger.write(row)
             self.logger.progress(row)
+            self.observer.review(row, self.logger.message)  # a persistent straggler: one warning line
 
     def _stop(self, signum: int) -> None:
         """Every rank saw the same flag before this step: save (unless done already) and leave."""
@@ -111,11 +117,12 @@ class Trainer:
         engine, sync = self.engine, self.engine.sync
         self.metrics.start_step()
         self.step, self.samples_seen = sync.start_step(self.step, self.samples_seen)
+        self.observer.step_started(self.step)
         engine.plan.before_step(self.config.train.seed, self.step)
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
 
-        loss_sum = engine.forward_backward(engine.micro_batches(self.samples_seen))
+        loss_sum = engine.forward_backward(self.observer.forward_begins(engine.micro_batches(self.samples_seen)))
         engine.scaler.unscale_(self.optimizer)
         self.memory.after_backward()
         if not sync.after_backward():  # a replica group failed during the step
@@ -139,7 +146,7 @@ class Trainer:
             self.step,
             loss_sum,
             grad_norm,
-            self.memory.after_step(),
+            {**self.memory.after_step(), **self.observer.step_ended(self.step)},  # own time: `observe.stragglers`
             flag,
             produced.get("moe"),
             lr=lr,
