@@ -64,6 +64,16 @@ def test_a_metadata_payload_is_refused_before_anything_is_imported(good_run, tmp
     assert "this" not in sys.modules
 
 
+def test_metadata_that_unpickles_to_something_else_is_one_line(good_run, tmp_path):
+    """An allowed pickle that is not DCP metadata is the file's fault (one line); an AttributeError anywhere
+    else stays a bug with its traceback (it is no longer caught as the user's)."""
+    checkpoint = _copy_checkpoint(good_run, tmp_path)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    write_manifest(checkpoint)
+    with pytest.raises(UserError, match="holds a dict, not DCP metadata"):
+        _resume(tmp_path, checkpoint)
+
+
 def _poison_bytes_entries(good_run: Path, tmp_path: Path, marker: Path) -> Path:
     """Every non-tensor entry (optim.param_groups.*.lr, betas, ...) becomes a payload."""
     source = good_run / "checkpoints" / "step_000004"

@@ -39,7 +39,10 @@ class RankLog:
         logging.captureWarnings(True)
 
     def failed(self, error: BaseException) -> None:
-        """The error that ends this rank: its line, and its traceback unless it is the user's to fix."""
+        """The error that ends this rank: its line, and its traceback unless it is the user's to fix. A user
+        error before the run's folder exists leaves no folder behind: nothing was written, nothing is."""
+        if isinstance(error, UserError) and not self.path.parent.parent.exists():
+            return
         if isinstance(error, UserError):
             text = f"paralm: error: {error}"
         else:

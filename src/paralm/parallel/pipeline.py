@@ -39,7 +39,6 @@ from torch.distributed.tensor import DTensor
 from paralm.config.degrees import num_stages, pipeline_microbatches
 from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.config.schema import ParallelConfig
-from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.spec import ModelSpec, tied_parameters
@@ -152,12 +151,10 @@ def _grad_like_param(param: nn.Parameter) -> torch.Tensor:
 def _build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:
     schedule = PIPELINE_SCHEDULES[name]
     schedule_cls = getattr(schedules, schedule.torch_class)
-    try:
-        if schedule.stages_per_rank == "one":
-            return schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-        return schedule_cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    except ValueError as e:  # a constraint of the schedule that `paralm.config.rules` does not know
-        raise UserError(f"parallel.pp_schedule = {name} cannot run this layout: {e}") from None
+    # the constructors' constraints are checked up front (`paralm.config.rules`): a ValueError here is a bug
+    if schedule.stages_per_rank == "one":
+        return schedule_cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def _tied_group(runtime: Runtime, first: int, last: int) -> dist.ProcessGroup | None:

@@ -307,14 +307,15 @@ def load_checkpoint(
 
 
 def saved_entries(path: Path, reader: SafeFileSystemReader | None = None) -> dict[str, Any]:
-    """The checkpoint's entries (DCP's flat names and metadata), read through the allow-list unpickler;
-    one line when they cannot be read, not one per rank."""
+    """The checkpoint's entries (DCP's flat names and metadata), read through the allow-list unpickler (which
+    refuses a pickle of anything but DCP metadata); one line when they cannot be read, not one per rank."""
     try:
-        return (reader or SafeFileSystemReader(path)).read_metadata().state_dict_metadata
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError) as e:
+        metadata = (reader or SafeFileSystemReader(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
         raise UserError(
             f"checkpoint metadata {path / '.metadata'} cannot be read ({e}): use another checkpoint"
         ) from None
+    return metadata.state_dict_metadata
 
 
 def _set_aside_hyperparameters(target: dict[str, Any]) -> dict[str, Any]:
