@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.hf_folder import CONFIG_FILE, is_hf_folder, read_folder
 from paralm.models.registry import hf_spec
@@ -33,10 +34,11 @@ def with_init_model(raw: dict[str, Any]) -> dict[str, Any]:
     if not fixed:
         return raw
     given = raw.get("model", {})
+    typed = Config.from_dict({"model": given}, source="[model]").model  # command-line values arrive as text
     for name, value in fixed.items():
-        if name in given and name not in FREE and given[name] != value:
+        if name in given and name not in FREE and getattr(typed, name) != value:
             raise UserError(
-                f"model.{name} = {given[name]!r} but {source}/{CONFIG_FILE} says {value!r}: leave model.{name} "
-                "out (checkpoint.init_from fixes the model)"
+                f"model.{name} = {getattr(typed, name)!r} but {source}/{CONFIG_FILE} says {value!r}: leave "
+                f"model.{name} out (checkpoint.init_from fixes the model)"
             )
     return raw | {"model": fixed | given}
