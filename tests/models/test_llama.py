@@ -177,12 +177,13 @@ def test_configs_paralm_does_not_compute_are_refused_in_one_line(name, fields, f
     assert fragment in message and message.startswith("folder/config.json: ") and "\n" not in message
 
 
-def test_legacy_rope_scaling_is_refused():
+def test_legacy_rope_scaling_maps_or_is_refused():
     """config.json files written by transformers 4 name the scaling `rope_scaling`, with `type` or `rope_type`."""
     legacy = relative("llama") | {"rope_parameters": None, "rope_theta": 10000.0}
-    for scaling in ({"type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}):
-        with pytest.raises(UserError, match="rope_type = '(linear|dynamic)'"):
-            SPEC.hf.config_from_hf(legacy | {"rope_scaling": scaling}, "test")
+    linear = SPEC.hf.config_from_hf(legacy | {"rope_scaling": {"type": "linear", "factor": 2.0}}, "test")
+    assert (linear["rope_scaling"], linear["rope_factor"], linear["rope_theta"]) == ("linear", 2.0, 10000.0)
+    with pytest.raises(UserError, match="rope_type = 'dynamic'"):
+        SPEC.hf.config_from_hf(legacy | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "test")
     assert SPEC.hf.config_from_hf(legacy | {"rope_scaling": None}, "test")["rope_theta"] == 10000.0
 
 
@@ -193,7 +194,7 @@ LLAMA_ARGS = ["--model.family=llama", "--model.d_model=32", "--model.n_head=4"]
     "overrides, fragments",
     [
         (["--model.n_kv_heads=3"], ["model.n_kv_heads = 3", "model.n_head = 4"]),
-        (["--model.d_model=24", "--model.n_head=8"], ["model.d_model / model.n_head = 3 is odd"]),
+        (["--model.d_model=24", "--model.n_head=8"], ["model.d_model / model.n_head) = 3 must be a positive even number"]),
         (["--model.n_kv_heads=1", "--parallel.tp=2"], ["model.n_kv_heads = 1", "parallel.tp = 2"]),
         (["--model.rope_theta=0"], ["model.rope_theta = 0.0 must be positive"]),
     ],
