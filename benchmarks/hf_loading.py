@@ -156,7 +156,8 @@ def main() -> None:
         for label, what, ranks in runs:
             for row in measure(what, folder, ranks, max(1, cores // ranks), Path(tmp) / f"run-{what}-{ranks}"):
                 seconds, before, peak = row["seconds"], row["before"], row["peak"]
-                table.append([label, row["rank"], f"{seconds:.2f}", f"{before:,.0f}", f"{peak:,.0f}", f"{peak - before:,.0f}"])
+                figures = [f"{seconds:.2f}", f"{before:,.0f}", f"{peak:,.0f}", f"{peak - before:,.0f}"]
+                table.append([label, row["rank"], *figures])
     print(
         f"{size / 1e6:,.0f} MB fp32 Llama-shaped folder ({model_fields(args.mb)['n_layer']} layers) in {files} shards"
     )
