@@ -221,3 +221,29 @@ def test_round_trip_through_a_sharded_layout(tmp_path, name, parallel):
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "back")]) == 0
     assert logits_diff(tmp_path / "back", run) <= LOGIT_TOLERANCE
     assert logits_diff(hf, run) > 1e-4  # it trained
+
+
+def test_the_folders_tokenizer_comes_along_and_goes_back_out(tmp_path):
+    """tokenizer.json and tokenizer_config.json (here a chat template) stay with the run's data; export writes
+    them back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf, run, back = tmp_path / "hf", tmp_path / "run", tmp_path / "back"
+    save_far_from_init(hf, "qwen2", vocab_size=300)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["the theory of the thing, then the other one"] * 50, trainer)
+    tokenizer.save(str(hf / "tokenizer.json"))
+    specials = {"eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    (hf / "tokenizer_config.json").write_text(json.dumps(specials))
+    assert main(["import", "--hf", str(hf), "--out", str(run)]) == 0
+    assert main(["export", "--run", str(run), "--out", str(back)]) == 0
+    exported = json.loads((back / "tokenizer_config.json").read_text())
+    assert exported["chat_template"] == specials["chat_template"] and exported["eos_token"] == "<|endoftext|>"
+    assert Tokenizer.from_file(str(back / "tokenizer.json")).get_vocab() == tokenizer.get_vocab()
+    loaded = transformers.AutoTokenizer.from_pretrained(back)
+    assert loaded.apply_chat_template([{"role": "user", "content": "the"}], tokenize=False) == "the"
