@@ -30,6 +30,7 @@ ARGS = {
         *("--budget-mib", "64", "--start", "512", "--longest", "512", "--speed-at", "512"),
         *("--layouts", "cp1", "cp2-ring"),
     ],
+    "hf_loading.py": ["--mb", "20", "--shards", "2", "--ranks", "1", "2"],
     "data_prepare.py": ["--mb", "1", "--vocab", "500", "--tokenizer-sample-mb", "0.5"],
     "compress.py": [
         "--steps",

@@ -147,17 +147,14 @@ def test_a_random_transformers_model_imports_with_the_same_logits_and_trains(tmp
     "name, overrides, fragment",
     [
         ("mistral", dict(sliding_window=16), "sliding_window = 16"),
-        ("qwen2", dict(), "attention_bias = True"),
-        # transformers' Qwen2 has q/k/v biases whatever its config says: refused at the weights
-        ("qwen2", dict(attention_bias=False), "no place for: model.layers.0.self_attn.k_proj.bias"),
         (
             "llama",
-            dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
-            "rope_type = 'linear'",
+            dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+            "rope_type = 'dynamic'",
         ),
         ("llama", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
     ],
-    ids=["mistral-sliding-window", "qwen2-biases", "qwen2-bias-weights", "rope-scaling", "gelu"],
+    ids=["mistral-sliding-window", "dynamic-rope-scaling", "gelu"],
 )
 def test_relatives_that_do_not_map_are_refused_in_one_line(tmp_path, capsys, name, overrides, fragment):
     _save(tmp_path / name, name, **overrides)

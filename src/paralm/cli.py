@@ -57,7 +57,9 @@ def _train_replicas(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.launch.replicas import launch_replica_groups
 
     group = ["--sync.fault_tolerant=true", f"--sync.ft_groups={args.replicas}"]
-    config = load_config(args.config, [*overrides, *group])  # refuse a bad config before starting anything
+    config = load_config(
+        args.config, [*overrides, *group], init_model=True
+    )  # refuse a bad config before starting anything
     if config.parallel.auto:
         raise UserError("parallel.auto = true measures layouts of one job: it does not combine with --replicas")
     return launch_replica_groups(
@@ -108,7 +110,7 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.hf.export import export_run
 
     refuse_overrides("export", overrides)
-    print(export_run(args.run, args.out, checkpoint=args.checkpoint))
+    print(export_run(args.run, args.out, checkpoint=args.checkpoint, max_shard_size=args.max_shard_size))
     return 0
 
 
@@ -271,14 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=_generate)
 
     export = verbs.add_parser(
-        "export", help="write a run's model as a Hugging Face transformers folder (GPT-2 or Llama)"
+        "export", help="write a run's model as a Hugging Face transformers folder (GPT-2, Llama, Qwen2, Qwen3, Mixtral)"
     )
     export.add_argument("--run", required=True, help="run directory")
     export.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")
     export.add_argument("--out", required=True, help="new output folder (config.json, model.safetensors, tokenizer)")
+    export.add_argument(
+        "--max-shard-size",
+        help="write shards of at most this size (e.g. 100KB, 5GB) and their index, as transformers does",
+    )
     export.set_defaults(func=_export)
 
-    importer = verbs.add_parser("import", help="start a run from a Hugging Face GPT-2 folder (step-0 checkpoint)")
+    importer = verbs.add_parser(
+        "import", help="start a run from a Hugging Face folder, one file or sharded (step-0 checkpoint)"
+    )
     importer.add_argument("--hf", required=True, help="folder saved by transformers' save_pretrained")
     importer.add_argument("--out", required=True, help="new run directory")
     importer.add_argument("--config", help="TOML config for the fine-tuning run (the model section comes from --hf)")

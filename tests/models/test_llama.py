@@ -110,9 +110,14 @@ def test_a_transformers_llama_config_maps_back_to_the_same_fields():
 
 
 def relative(name: str, **fields) -> dict:
-    """A small transformers config of `name` ("llama", "mistral", "qwen2") as its `config.json` dict."""
+    """A small transformers config of `name` ("llama", "mistral", "qwen2", "qwen3") as its `config.json` dict."""
     transformers = pytest.importorskip("transformers")
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
     base = dict(
         vocab_size=96,
         hidden_size=32,
@@ -131,40 +136,39 @@ def relative(name: str, **fields) -> dict:
     [
         ("mistral", dict(sliding_window=None)),
         ("mistral", dict(sliding_window=32)),  # a window as long as the context restricts nothing
-        ("qwen2", dict(attention_bias=False)),
     ],
-    ids=["mistral-no-window", "mistral-window-of-the-context", "qwen2-no-bias"],
+    ids=["mistral-no-window", "mistral-window-of-the-context"],
 )
 def test_relatives_that_compute_the_same_function_map(name, fields):
     mapped = SPEC.hf.config_from_hf(relative(name, **fields), "test")
     assert ModelConfig(**mapped) == llama_config(ffn_hidden=80, norm_eps=1e-6)
 
 
+def test_qwen2_qwen3_and_llama3_scaling_map_to_the_llama_options():
+    """Qwen2's q/k/v always have biases; Qwen3 normalises q and k per head (here 12 wide, not 32 / 4);
+    Llama 3.1's RoPE scaling keeps its four numbers."""
+    assert SPEC.hf.config_from_hf(relative("qwen2"), "test")["attention_bias"] is True
+    qwen3 = ModelConfig(**SPEC.hf.config_from_hf(relative("qwen3", head_dim=12), "test"))
+    assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.head_dim) == (True, False, 12)
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    rope |= dict(original_max_position_embeddings=8, rope_theta=500000.0)
+    llama31 = ModelConfig(**SPEC.hf.config_from_hf(relative("llama", rope_parameters=rope), "test"))
+    assert (llama31.rope_scaling, llama31.rope_factor, llama31.rope_original_context) == ("llama3", 8.0, 8)
+    for config in (qwen3, llama31):
+        assert ModelConfig(**SPEC.hf.config_from_hf(SPEC.hf.config_to_hf(config), "test")) == config
+
+
 @pytest.mark.parametrize(
     "name, fields, fragment",
     [
         ("mistral", dict(sliding_window=16), "sliding_window = 16"),
-        (
-            "llama",
-            dict(
-                rope_parameters=dict(
-                    rope_type="llama3",
-                    rope_theta=500000.0,
-                    factor=8.0,
-                    low_freq_factor=1.0,
-                    high_freq_factor=4.0,
-                    original_max_position_embeddings=8,
-                )
-            ),
-            "rope_type = 'llama3'",
-        ),
-        # transformers' Qwen2 has q, k and v biases (its config has no attention_bias field): only a config.json
-        # that says attention_bias = false maps (and then only weights without biases import)
-        ("qwen2", dict(), "attention_bias = True"),
+        ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "'dynamic'"),
         ("llama", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+        # Llama's and Qwen3's attention_bias also puts a bias on the output projection, which paralm lacks
         ("llama", dict(attention_bias=True), "attention_bias = True"),
+        ("qwen3", dict(attention_bias=True), "attention_bias = True"),
     ],
-    ids=["mistral-sliding-window", "llama3-rope-scaling", "qwen2-qkv-bias", "gelu", "llama-attention-bias"],
+    ids=["mistral-sliding-window", "dynamic-rope", "gelu", "llama-attention-bias", "qwen3-attention-bias"],
 )
 def test_configs_paralm_does_not_compute_are_refused_in_one_line(name, fields, fragment):
     with pytest.raises(UserError) as refused:
@@ -173,12 +177,13 @@ def test_configs_paralm_does_not_compute_are_refused_in_one_line(name, fields, f
     assert fragment in message and message.startswith("folder/config.json: ") and "\n" not in message
 
 
-def test_legacy_rope_scaling_is_refused():
+def test_legacy_rope_scaling_maps_or_is_refused():
     """config.json files written by transformers 4 name the scaling `rope_scaling`, with `type` or `rope_type`."""
     legacy = relative("llama") | {"rope_parameters": None, "rope_theta": 10000.0}
-    for scaling in ({"type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}):
-        with pytest.raises(UserError, match="rope_type = '(linear|dynamic)'"):
-            SPEC.hf.config_from_hf(legacy | {"rope_scaling": scaling}, "test")
+    linear = SPEC.hf.config_from_hf(legacy | {"rope_scaling": {"type": "linear", "factor": 2.0}}, "test")
+    assert (linear["rope_scaling"], linear["rope_factor"], linear["rope_theta"]) == ("linear", 2.0, 10000.0)
+    with pytest.raises(UserError, match="rope_type = 'dynamic'"):
+        SPEC.hf.config_from_hf(legacy | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "test")
     assert SPEC.hf.config_from_hf(legacy | {"rope_scaling": None}, "test")["rope_theta"] == 10000.0
 
 
@@ -189,7 +194,7 @@ LLAMA_ARGS = ["--model.family=llama", "--model.d_model=32", "--model.n_head=4"]
     "overrides, fragments",
     [
         (["--model.n_kv_heads=3"], ["model.n_kv_heads = 3", "model.n_head = 4"]),
-        (["--model.d_model=24", "--model.n_head=8"], ["model.d_model / model.n_head = 3 is odd"]),
+        (["--model.d_model=24", "--model.n_head=8"], ["model.n_head) = 3 must be a positive even"]),
         (["--model.n_kv_heads=1", "--parallel.tp=2"], ["model.n_kv_heads = 1", "parallel.tp = 2"]),
         (["--model.rope_theta=0"], ["model.rope_theta = 0.0 must be positive"]),
     ],

@@ -287,6 +287,12 @@ def check_split(layers: list[int], n_layer: int, stages: int) -> None:
 
 
 def check_vocab_size(config: Config, tokenizer_vocab: int, data_dir: Path) -> None:
+    if tokenizer_vocab > config.model.vocab_size and config.checkpoint.init_from:
+        raise UserError(
+            f"the data's tokenizer has {tokenizer_vocab} tokens ({data_dir}), the model of checkpoint.init_from = "
+            f"{config.checkpoint.init_from} only {config.model.vocab_size}: train on data tokenized with the "
+            "model's own tokenizer (paralm import --hf prepares it)"
+        )
     if tokenizer_vocab > config.model.vocab_size:
         raise UserError(
             f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "

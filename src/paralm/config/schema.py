@@ -189,6 +189,11 @@ class CheckpointConfig:
     keep: int = option(0, "keep only the newest N checkpoints; 0 keeps all")
     async_save: bool = option(False, "write checkpoints in the background (DCP async_save) while training goes on")
     on_signal: bool = option(True, "on SIGINT/SIGTERM, save a checkpoint after the current step before exiting")
+    init_from: str = option(
+        "",
+        "a new run starts from these weights: a Hugging Face folder (its config.json gives [model]) or a paralm "
+        "run or checkpoint; once the run has a checkpoint of its own, it resumes from that instead",
+    )
 
 
 @dataclass

@@ -1,18 +1,20 @@
 """`paralm export` and `paralm import`: a run's model as a Hugging Face folder, and back.
 
 Export reads the run's checkpoint through DCP, which gathers any layout (DDP, ZeRO-3, TP, PP) into
-one process's unsharded model, and writes `config.json`, `model.safetensors` and a `tokenizer.json`
-that `transformers.AutoModelForCausalLM` / `AutoTokenizer` load. Import turns such a folder (or any
-model its family's mapping computes exactly, `ModelSpec.hf`) into a run directory with a step-0 checkpoint, so
-`paralm train` fine-tunes it. Both write into a temporary folder and rename it when complete.
+one process's unsharded model, and writes `config.json`, `model.safetensors` (or shards and their index,
+`paralm.hf.shards`) and a `tokenizer.json` that `transformers.AutoModelForCausalLM` / `AutoTokenizer`
+load. Import turns such a folder (one file or sharded, `paralm.models.hf_folder`; any model its family's
+mapping computes exactly, `ModelSpec.hf`) into a run directory with a step-0 checkpoint, so `paralm train`
+fine-tunes it; the folder's `tokenizer.json` and `tokenizer_config.json` (its chat template, its special
+tokens) stay with the run's data and go back out on export. Both write into a temporary folder and
+rename it when complete.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
-
-import torch
 
 from paralm.config.load import load_config
 from paralm.config.schema import CONFIG_FILE, ParallelConfig, SyncConfig
@@ -21,7 +23,10 @@ from paralm.data.prepare import write_dataset
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import BPE_FILE, PretrainedTokenizer, load_tokenizer
 from paralm.errors import UserError
+from paralm.hf.shards import parse_size, write_weights
 from paralm.models.config import ModelConfig
+from paralm.models.hf_folder import CONFIG_FILE as HF_CONFIG_FILE
+from paralm.models.hf_folder import load_tensors, read_folder
 from paralm.models.registry import hf_spec, model_shape, model_spec
 from paralm.parallel.runtime import init_runtime
 from paralm.runs import load_trained_model
@@ -30,8 +35,6 @@ from paralm.runs.write import atomic_folder, fresh_optimizer_state
 from paralm.sync.base import SyncStrategy, TrainingState
 from paralm.train.checkpoint import save_checkpoint, trainer_state
 
-WEIGHTS_FILE = "model.safetensors"
-HF_CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
@@ -84,10 +87,10 @@ def _is_byte_tokenizer(path: Path) -> bool:
     return Tokenizer.from_file(str(path)).get_vocab() == byte_tokenizer().get_vocab()
 
 
-def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
-    """Write the run's model as a transformers folder of its family; returns a one-line summary."""
-    from safetensors.torch import save_file
-
+def export_run(run_dir: str, out: str, checkpoint: str | None = None, max_shard_size: str | None = None) -> str:
+    """Write the run's model as a transformers folder of its family (sharded above `max_shard_size`, e.g.
+    "5GB"); returns a one-line summary."""
+    limit = parse_size(max_shard_size) if max_shard_size else None
     refuse_quantized(run_dir, "exported (transformers reads torchao weights only through its own TorchAoConfig)")
     loaded = load_trained_model(run_dir, checkpoint)
     model_config = loaded.config.model
@@ -97,7 +100,7 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
     tokenizer, specials = hf_tokenizer(loaded.data_dir)
     eos_id = tokenizer.token_to_id(specials["eos_token"])
     bos_id = tokenizer.token_to_id(specials["bos_token"])
-    hf_config = {
+    hf_config = {  # the family's defaults, unless its config says which architecture these options make
         "architectures": [hf.architecture],
         "model_type": hf.model_type,
         **kwargs,
@@ -106,18 +109,20 @@ def export_run(run_dir: str, out: str, checkpoint: str | None = None) -> str:
     }
     weights = hf.to_hf(loaded.model.cpu().state_dict(), model_config)
     tokenizer_config = {
+        **_imported_tokenizer_config(loaded.data_dir, meta["tokenizer"]),
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_config.block_size,
         **specials,
     }
     out_dir = Path(out)
     with atomic_folder(out_dir) as tmp:
-        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        files = write_weights(weights, tmp, limit)
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=1))
         tokenizer.save(str(tmp / BPE_FILE))
         (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1))
+    shards = f" in {files} shards" if files > 1 else ""
     return (
-        f"{out_dir}: {hf_config['architectures'][0]} ({_millions(model_config)} parameters, "
+        f"{out_dir}: {hf_config['architectures'][0]} ({_millions(model_config)} parameters{shards}, "
         f"{meta['tokenizer']} tokenizer) "
         f"from {loaded.checkpoint}; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out_dir)!r})"
     )
@@ -127,26 +132,12 @@ def _millions(model: ModelConfig) -> str:
     return f"{model_shape(model).flops_params / 1e6:.2f}M"
 
 
-def _read_hf_folder(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not hf_dir.is_dir():
-        raise UserError(f"--hf {hf_dir} is not a folder: pass a folder saved with transformers' save_pretrained")
-    config_path, weights_path = hf_dir / HF_CONFIG_FILE, hf_dir / WEIGHTS_FILE
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{config_path} is missing or not JSON ({e}): pass a transformers model folder") from None
-    if not weights_path.is_file():
-        raise UserError(
-            f"{weights_path} does not exist: paralm reads only safetensors (it never unpickles "
-            "pytorch_model.bin); save the model with save_pretrained(..., safe_serialization=True)"
-        )
-    try:
-        return hf_config, load_file(str(weights_path))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{weights_path} cannot be read ({e}): save the model again") from None
+def _imported_tokenizer_config(data_dir: Path, tokenizer: str) -> dict:
+    """The imported folder's own tokenizer_config.json (chat template, added tokens), kept with the data."""
+    path = data_dir / TOKENIZER_CONFIG_FILE
+    if tokenizer != "hf" or not path.is_file():
+        return {}
+    return json.loads(path.read_text())
 
 
 def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> tuple[list[str], str]:
@@ -158,13 +149,16 @@ def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> 
     if _is_byte_tokenizer(path):
         return ["--data.tokenizer=byte"], "byte tokenizer"
     write_dataset((text for _, text in default_corpus()), tmp / "data", tokenizer, val_fraction)
+    if (hf_dir / TOKENIZER_CONFIG_FILE).is_file():  # kept whole: export gives it back
+        shutil.copyfile(hf_dir / TOKENIZER_CONFIG_FILE, tmp / "data" / TOKENIZER_CONFIG_FILE)
     return [f"--data.path={out / 'data'}"], f"the model's tokenizer on the embedded corpus in {out / 'data'}"
 
 
 def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[str]) -> str:
     """Create a run directory whose step-0 checkpoint holds the HF model's weights; returns a summary."""
     hf_path, out_dir = Path(hf_dir), Path(out)
-    hf_config, hf_weights = _read_hf_folder(hf_path)
+    folder = read_folder(hf_path)
+    hf_config, hf_weights = folder.config, load_tensors(folder)
     source = str(hf_path / HF_CONFIG_FILE)
     spec = hf_spec(hf_config.get("model_type"), source)
     model_fields = spec.hf.config_from_hf(hf_config, source)
@@ -177,11 +171,11 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
         if changed:
             raise UserError(f"model.{changed[0]} is fixed by the imported model's {HF_CONFIG_FILE}: do not override it")
         model = spec.build(config.model)
-        state = spec.hf.from_hf(hf_weights, config.model, str(hf_path / WEIGHTS_FILE))
+        state = spec.hf.from_hf(hf_weights, config.model, folder.source)
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
-            raise UserError(f"{hf_path / WEIGHTS_FILE}: {str(e).splitlines()[-1].strip()}") from None
+            raise UserError(f"{folder.source}: {str(e).splitlines()[-1].strip()}") from None
         optimizer = fresh_optimizer_state(model, config)
         runtime = init_runtime(ParallelConfig(), SyncConfig())
         state = trainer_state(0, 0, config.model.block_size, runtime.world_size)

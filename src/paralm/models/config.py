@@ -25,6 +25,18 @@ class ModelConfig:
     ffn_hidden: int = field(
         default=0, metadata={"help": "llama: SwiGLU width (0: 2/3 of 4*d_model rounded up to a multiple of 256)"}
     )
+    head_dim: int = field(default=0, metadata={"help": "llama: width of each attention head (0: d_model / n_head)"})
+    attention_bias: bool = field(default=False, metadata={"help": "llama: biases on q, k and v (Qwen2)"})
+    qk_norm: bool = field(default=False, metadata={"help": "llama: RMSNorm of each query and key head (Qwen3)"})
+    rope_scaling: str = field(
+        default="none", metadata={"help": "llama: RoPE frequency scaling: none, linear or llama3 (Llama 3.1)"}
+    )
+    rope_factor: float = field(default=1.0, metadata={"help": "llama: RoPE scaling factor (linear, llama3)"})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama: llama3 scaling's low_freq_factor"})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama: llama3 scaling's high_freq_factor"})
+    rope_original_context: int = field(
+        default=8192, metadata={"help": "llama: llama3 scaling's original_max_position_embeddings"}
+    )
     tie_embeddings: bool = field(
         default=False, metadata={"help": "llama: the head shares the token embedding (gpt2 always does)"}
     )

@@ -1,10 +1,11 @@
-"""A Llama-style decoder-only Transformer (Llama 2/3, Mistral, Qwen2 shapes), as a plain `nn.Module`.
+"""A Llama-style decoder-only Transformer (Llama 2/3/3.1, Mistral, Qwen2, Qwen3 shapes), as a plain `nn.Module`.
 
-RMSNorm before attention and MLP, rotary position embeddings (RoPE), grouped-query attention through
-`F.scaled_dot_product_attention(enable_gqa=True)`, a SwiGLU MLP, no biases, a head tied to the
-embedding or not. As `paralm.models.gpt2`, it knows nothing about ranks: attention works out its head
-counts from the widths of q and k (a tensor-parallel shard holds some heads of each), blocks live in
-a `ModuleDict` keyed by layer index and `forward` skips the parts a pipeline stage lacks.
+RMSNorm before attention and MLP, rotary position embeddings (RoPE, `paralm.models.rope`), grouped-query
+attention through `F.scaled_dot_product_attention(enable_gqa=True)`, a SwiGLU MLP, no biases but q/k/v's
+where asked (Qwen2), per-head q/k RMSNorms where asked (Qwen3), a head tied to the embedding or not.
+As `paralm.models.gpt2`, it knows nothing about ranks: attention works out its head counts from the
+widths of q and k (a tensor-parallel shard holds some heads of each), blocks live in a `ModuleDict`
+keyed by layer index and `forward` skips the parts a pipeline stage lacks.
 
 RoPE takes explicit positions. Without them, attention numbers the sequence it sees from the cache's
 length: under sequence parallelism it sees the whole sequence (gathered before q, k, v), on any
@@ -24,6 +25,7 @@ from torch import nn
 from paralm.models.config import ModelConfig
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE, is_moe_block
+from paralm.models.rope import head_dim, inverse_frequencies, rotary_tables, rotate
 from paralm.models.seeding import seed_parameter
 
 TIED = {"output.weight": "tok_embeddings.weight"}  # with model.tie_embeddings
@@ -41,31 +43,21 @@ def kv_heads(config: ModelConfig) -> int:
     return config.n_kv_heads or config.n_head
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (seq, head_dim) of the rotation angles at `positions`, in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of `x` (batch, heads, seq, head_dim): dimension i turns with i + head_dim/2."""
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
+    """Grouped-query attention with RoPE; with `model.attention_bias` q, k and v have biases (Qwen2), with
+    `model.qk_norm` each query and key head is RMS-normalised before the rotation (Qwen3)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = config.d_model // config.n_head
-        kv_width = kv_heads(config) * self.head_dim
-        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.wk = nn.Linear(config.d_model, kv_width, bias=False)
-        self.wv = nn.Linear(config.d_model, kv_width, bias=False)
-        self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.rope_theta = config.rope_theta
+        self.head_dim = head_dim(config)
+        q_width, kv_width = config.n_head * self.head_dim, kv_heads(config) * self.head_dim
+        self.wq = nn.Linear(config.d_model, q_width, bias=config.attention_bias)
+        self.wk = nn.Linear(config.d_model, kv_width, bias=config.attention_bias)
+        self.wv = nn.Linear(config.d_model, kv_width, bias=config.attention_bias)
+        self.wo = nn.Linear(q_width, config.d_model, bias=False)
+        norm = (lambda: nn.RMSNorm(self.head_dim, eps=config.norm_eps)) if config.qk_norm else (lambda: None)
+        self.q_norm, self.k_norm = norm(), norm()
+        self.config = config  # RoPE's frequencies come from it (theta, head width, scaling)
         self.dropout = config.dropout
         self.attend: Attend = attend  # context parallelism swaps in an attention across ranks
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -74,11 +66,14 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + seq, device=q.device)
-        cos, sin = rotary_tables(positions, self.head_dim, self.rope_theta)
+        cos, sin = rotary_tables(positions, inverse_frequencies(self.config, q.device))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = self.attend(q, k, v, cache, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
@@ -143,6 +138,8 @@ class Llama(nn.Module):
             seed_parameter(seed, TIED.get(name, name) if self.config.tie_embeddings else name)
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(param)
             else:
                 residual = ("attention.wo.weight", "feed_forward.w2.weight", *RESIDUAL)
                 std = residual_std if name.endswith(residual) else 0.02

@@ -62,7 +62,11 @@ class HFMapping:
 
     `to_hf` returns the tensors `save_pretrained` would write (a tied head left out); `from_hf` takes
     them back, or raises a one-line `UserError`; `config_from_hf` returns the `[model]` fields, or
-    refuses in one line a configuration the family does not compute exactly."""
+    refuses in one line a configuration the family does not compute exactly; `config_to_hf` the
+    config.json fields (`architectures` and `model_type` among them where they depend on the config, else
+    the two below). `names` pairs (paralm name, HF name) where each tensor is the other's unchanged, so
+    `checkpoint.init_from` can read every rank's shards of it straight from the folder; None where
+    some tensor is fused, split or transposed on the way (then each rank reads the whole folder)."""
 
     model_type: str
     architecture: str
@@ -71,6 +75,7 @@ class HFMapping:
     config_from_hf: Callable[[dict[str, Any], str], dict[str, Any]]
     to_hf: Callable[[StateDict, ModelConfig], StateDict]
     from_hf: Callable[[StateDict, ModelConfig, str], StateDict]
+    names: Callable[[ModelConfig], list[tuple[str, str]] | None] = lambda config: None
 
 
 @dataclass(frozen=True)

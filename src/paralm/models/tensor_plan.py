@@ -28,12 +28,15 @@ from paralm.models.spec import ShardedRegion
 @dataclass(frozen=True)
 class BlockPart:
     """One residual branch of a block: its norm, the module it feeds, the column-parallel input
-    projections and the row-parallel output projection (names inside the module)."""
+    projections and the row-parallel output projection (names inside the module), and norms inside
+    the module that act on each head of a (batch, seq, heads, head_dim) activation where it has them:
+    replicated, their input read as sharded by heads, so their gradients are summed over the group."""
 
     norm: str
     module: str
     inputs: tuple[str, ...]
     output: str
+    head_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,10 @@ def decoder_plan(model: nn.Module, names: DecoderNames, sequence_parallel: bool)
             )
             for name in part.inputs:
                 plan[f"{prefix}{part.module}.{name}"] = ColwiseParallel()
+            for name in part.head_norms:
+                if getattr(model.get_submodule(prefix + part.module), name, None) is not None:
+                    # DTensor's SequenceParallel style: parameters replicated, the input sharded on dim 2 (heads)
+                    plan[f"{prefix}{part.module}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan[f"{prefix}{part.module}.{part.output}"] = RowwiseParallel(output_layouts=residual)
     if getattr(model, names.head) is not None:
         if sequence_parallel:

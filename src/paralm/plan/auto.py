@@ -45,7 +45,7 @@ def train_config(path: str | None, overrides: list[str], world_size: int) -> tup
     """The config to train and the overrides that reproduce it in worker processes: as given when
     `parallel.auto` is off, otherwise with the chosen layout (and `parallel.auto` off)."""
     if not _auto_requested(path, overrides):
-        return load_config(path, overrides), overrides
+        return load_config(path, overrides, init_model=True), overrides
     requested, fixed = load_request(path, overrides)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     under_launcher = running_under_launcher()

@@ -30,6 +30,7 @@ from paralm.parallel.runtime import Runtime
 from paralm.parallel.step import Batches
 from paralm.sync.choose import build_sync
 from paralm.train.checkpoint import checkpoint_to_resume, load_checkpoint
+from paralm.train.init_from import init_source, load_init
 from paralm.train.masked_state import MaskedState, saved_masks
 from paralm.train.validation import validation_loss
 
@@ -59,6 +60,7 @@ class StepEngine:
         self.module = self.plan.module
         self.sync = build_sync(self.plan, config)  # how replicas agree (`paralm.sync`)
         self.resume_from = checkpoint_to_resume(config)
+        self.init_from = init_source(config, self.resume_from)  # a new run's weights: another model's
         pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
         self.hooks = after_step_hooks(self.plan.model, runtime.dp_group, self.masks)
@@ -89,8 +91,11 @@ class StepEngine:
 
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that
-        step together); returns its trainer state, or None when the run starts fresh."""
+        step together); returns its trainer state, or None when the run starts fresh (from
+        `checkpoint.init_from`'s weights where it names some)."""
         path = self.resume_from
+        if path is None and self.init_from:
+            load_init(self.init_from, self.plan.model, self.config, self.runtime.group)
         return None if path is None else load_checkpoint(path, state, self.runtime.group)
 
     def micro_batches(self, start: int = 0) -> Batches:

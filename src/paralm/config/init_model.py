@@ -1,0 +1,44 @@
+"""`checkpoint.init_from`'s `[model]` section: a run that starts from a Hugging Face folder trains the
+model its `config.json` describes (through the family's mapping, which refuses in one line what paralm
+does not compute exactly). The config may still give a field, but only the value the folder fixes; dropout
+is the config's to choose (it does not touch the weights). A paralm run as the source gives nothing here:
+the config's model must be that run's, which loading the checkpoint checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paralm.config.schema import Config
+from paralm.errors import UserError
+from paralm.models.hf_folder import CONFIG_FILE, is_hf_folder, read_folder
+from paralm.models.registry import hf_spec
+
+FREE = ("dropout",)  # fields a config may set whatever the folder says
+
+
+def init_model_fields(source: str) -> dict[str, Any]:
+    """The `[model]` fields the HF folder `source` fixes ({} when `source` is not an HF folder)."""
+    if not source or not is_hf_folder(source):
+        return {}
+    folder = read_folder(source, "checkpoint.init_from")
+    origin = str(folder.path / CONFIG_FILE)
+    return hf_spec(folder.config.get("model_type"), origin).hf.config_from_hf(folder.config, origin)
+
+
+def with_init_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """The raw `{section: {field: value}}` config with `[model]` completed from `checkpoint.init_from`, or
+    a one-line error for a given field that disagrees with the folder."""
+    source = raw.get("checkpoint", {}).get("init_from", "")
+    fixed = init_model_fields(source)
+    if not fixed:
+        return raw
+    given = raw.get("model", {})
+    typed = Config.from_dict({"model": given}, source="[model]").model  # command-line values arrive as text
+    for name, value in fixed.items():
+        if name in given and name not in FREE and getattr(typed, name) != value:
+            raise UserError(
+                f"model.{name} = {getattr(typed, name)!r} but {source}/{CONFIG_FILE} says {value!r}: leave "
+                f"model.{name} out (checkpoint.init_from fixes the model)"
+            )
+    return raw | {"model": fixed | given}

@@ -1,0 +1,204 @@
+"""The Llama family as Hugging Face architectures, both ways: Llama (with Llama 3.1's or linear RoPE
+scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms, an explicit head width), Mistral without a
+sliding window, and Mixtral for MoE feed-forwards (`paralm.models.mixtral_hf`).
+
+All of them are paralm's Llama with options: the weights keep their names but for the `model.`
+prefix and the submodule names in `_RENAMES`, so the mapping is a list of name pairs (`names`), which
+`checkpoint.init_from` hands to DCP to read each rank's shards of a sharded folder directly. Export picks
+the architecture from the options: q/k norms make a Qwen3, q/k/v biases a Qwen2, anything else a Llama.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paralm.errors import UserError
+from paralm.models import mixtral_hf
+from paralm.models.config import ModelConfig
+from paralm.models.llama import ffn_hidden, kv_heads
+from paralm.models.rope import head_dim
+from paralm.models.spec import StateDict, refuse_differences
+
+_RENAMES = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+}
+_BIASES = ("attention.wq", "attention.wk", "attention.wv")
+_HEAD_NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
+_SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF rope_type -> model.rope_scaling
+
+
+def _architecture(c: ModelConfig) -> tuple[str, str]:
+    """(architecture, model_type) of the transformers class that computes `c`, or a one-line refusal."""
+    if c.moe_experts and (c.qk_norm or c.attention_bias):
+        raise UserError(
+            "an MoE model with model.qk_norm or model.attention_bias has no transformers class to export to"
+        )
+    if c.qk_norm and c.attention_bias:  # Qwen3's attention_bias also puts a bias on the output projection
+        raise UserError("model.qk_norm with model.attention_bias has no transformers class to export to")
+    if c.qk_norm:
+        return "Qwen3ForCausalLM", "qwen3"
+    if c.attention_bias:
+        return "Qwen2ForCausalLM", "qwen2"
+    return "LlamaForCausalLM", "llama"
+
+
+def _rope_parameters(c: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default" if c.rope_scaling == "none" else c.rope_scaling}
+    if c.rope_scaling != "none":
+        rope["factor"] = c.rope_factor
+    if c.rope_scaling == "llama3":
+        rope |= {
+            "low_freq_factor": c.rope_low_freq_factor,
+            "high_freq_factor": c.rope_high_freq_factor,
+            "original_max_position_embeddings": c.rope_original_context,
+        }
+    return rope
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """`config.json`'s fields for the same architecture, `architectures` and `model_type` included."""
+    architecture, model_type = _architecture(c)
+    mixtral = mixtral_hf.config_to_hf(c) if c.moe_experts else {}
+    rope = _rope_parameters(c)
+    scaling = {"rope_scaling": rope} if c.rope_scaling != "none" else {}  # what transformers 4.x reads
+    return (
+        dict(architectures=[architecture], model_type=model_type)
+        | mixtral
+        | scaling
+        | dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.d_model,
+            intermediate_size=ffn_hidden(c),
+            num_hidden_layers=c.n_layer,
+            num_attention_heads=c.n_head,
+            num_key_value_heads=kv_heads(c),
+            head_dim=head_dim(c),
+            max_position_embeddings=c.block_size,
+            rms_norm_eps=c.norm_eps,
+            rope_theta=c.rope_theta,
+            rope_parameters=rope | {"rope_theta": c.rope_theta},
+            tie_word_embeddings=c.tie_embeddings,
+            hidden_act="silu",
+            attention_bias=False if model_type == "qwen3" else c.attention_bias,
+            mlp_bias=False,
+            attention_dropout=c.dropout,
+            use_sliding_window=False,
+        )
+    )
+
+
+def _rope_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _SCALINGS:
+        raise UserError(
+            f"{source}: rope_type = {kind!r}; paralm computes RoPE exactly with {', '.join(_SCALINGS)} only"
+        )
+    fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    fields["rope_scaling"] = _SCALINGS[kind]
+    if kind != "default":
+        fields["rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        fields |= {
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_context": int(rope["original_max_position_embeddings"]),
+        }
+    return fields
+
+
+def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `[model]` fields for a config.json of the family's architectures, or a one-line reason it does not map."""
+    model_type = hf.get("model_type")
+    d_model, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    block_size = hf.get("max_position_embeddings", 2048)
+    windowed = model_type not in ("qwen2", "qwen3") or hf.get("use_sliding_window")  # Qwen: a window only if used
+    window = hf.get("sliding_window") if windowed else None
+    differences = {
+        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+        "mlp_bias": (hf.get("mlp_bias", False), False),
+        "pretraining_tp": (hf.get("pretraining_tp", 1), 1),
+        "sliding_window": (window if window is not None and window < block_size else None, None),
+    }
+    if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's flag adds one to o too
+        differences["attention_bias"] = (hf.get("attention_bias", False), False)
+    refuse_differences(source, "Llama", differences)
+    mixtral = mixtral_hf.config_from_hf(hf, source) if model_type == "mixtral" else {}
+    return (
+        mixtral
+        | _rope_fields(hf, source)
+        | dict(
+            family="llama",
+            n_layer=hf.get("num_hidden_layers", 32),
+            n_head=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            d_model=d_model,
+            head_dim=0 if (hf.get("head_dim") or d_model // heads) * heads == d_model else hf["head_dim"],
+            attention_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            block_size=block_size,
+            vocab_size=hf.get("vocab_size", 32000),
+            dropout=float(hf.get("attention_dropout", 0.0)),
+            ffn_hidden=hf.get("intermediate_size", 11008),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    )
+
+
+def names(config: ModelConfig) -> list[tuple[str, str]] | None:
+    """(paralm name, HF name) of every tensor (a tied head left out: transformers restores it); None for MoE
+    feed-forwards, whose experts paralm stacks into one tensor where HF keeps one per expert."""
+    if config.moe_experts:
+        return None
+    return _pairs(config)
+
+
+def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
+    pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    if not config.tie_embeddings:
+        pairs.append(("output.weight", "lm_head.weight"))
+    renames = {k: v for k, v in _RENAMES.items() if not (config.moe_experts and k.startswith("feed_forward"))}
+    for i in range(config.n_layer):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        pairs += [(f"{ours}{name}.weight", f"{theirs}{hf}.weight") for name, hf in renames.items()]
+        if config.attention_bias:
+            pairs += [(f"{ours}{name}.bias", f"{theirs}{_RENAMES[name]}.bias") for name in _BIASES]
+        if config.qk_norm:
+            pairs += [(f"{ours}{name}.weight", f"{theirs}{hf}.weight") for name, hf in _HEAD_NORMS.items()]
+    return pairs
+
+
+def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+    """The tensors `save_pretrained` writes for the architecture `config_to_hf` names."""
+    out = {hf: sd[name] for name, hf in _pairs(config)}
+    if config.moe_experts:
+        out |= mixtral_hf.to_hf(sd, config)
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+    """paralm's state dict from the HF weights (the inverse of `to_hf`)."""
+    hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.moe_experts:
+        hf = mixtral_hf.stacked(hf, config)
+    pairs = _pairs(config)
+    expected = {h for _, h in pairs} | (mixtral_hf.expected_names(config) if config.moe_experts else set())
+    missing = sorted(expected - set(hf))
+    if missing:
+        raise UserError(f"{source}: missing weights ({', '.join(missing[:3])}...): not a Llama model paralm can load")
+    extra = sorted(set(hf) - expected - ({"lm_head.weight"} if config.tie_embeddings else set()))
+    if extra:
+        raise UserError(f"{source}: weights paralm's Llama has no place for: {', '.join(extra[:3])}")
+    out = {name: hf[h] for name, h in pairs} | (mixtral_hf.from_hf(hf, config) if config.moe_experts else {})
+    if config.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return {k: v.float().contiguous() for k, v in out.items()}

@@ -1,0 +1,100 @@
+"""`checkpoint.init_from`: a new run's weights from a Hugging Face folder or another paralm run, read
+straight into the layout it trains with (FSDP/ZeRO-3, TP, PP, EP shards).
+
+From an HF folder, DCP loads a state dict keyed by the folder's tensor names (the family's name pairs,
+`HFMapping.names`) whose values are the model's own, possibly sharded, parameters; torch's
+`HuggingFaceStorageReader` then reads each rank's slices of the safetensors shards and nothing else, and
+casts them to the parameters' dtype. A family whose mapping fuses, splits or transposes tensors (GPT-2, MoE
+experts) has no pairs: each rank reads the whole folder, maps it, and keeps its shards. From a paralm
+run, DCP reads the model half of its checkpoint, whatever layout wrote it; the optimizer starts fresh.
+Once the run has a checkpoint of its own, that wins (`checkpoint_to_resume`), said in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from paralm.config.init_model import FREE
+from paralm.config.schema import Config
+from paralm.errors import UserError
+from paralm.models.hf_folder import CONFIG_FILE, HFFolder, is_hf_folder, load_tensors, read_folder
+from paralm.models.registry import hf_spec, model_spec
+from paralm.train.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
+
+
+def init_source(config: Config, resume_from: Path | None) -> str | None:
+    """The weights a run starts from: `checkpoint.init_from`, unless it resumes from a checkpoint of its own."""
+    source = config.checkpoint.init_from
+    if not source:
+        return None
+    if resume_from is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"paralm: resuming from {resume_from}; checkpoint.init_from = {source} is not read", file=sys.stderr)
+        return None
+    if not Path(source).exists():
+        raise UserError(f"checkpoint.init_from = {source} does not exist: pass a Hugging Face folder or a paralm run")
+    return source
+
+
+def load_init(source: str, model: nn.Module, config: Config, group: dist.ProcessGroup | None) -> None:
+    """Overwrite `model`'s parameters (this rank's shards) with the source's weights. Collective."""
+    if is_hf_folder(source):
+        _load_hf(read_folder(source, "checkpoint.init_from"), model, config, group)
+        return
+    path = Path(source)
+    checkpoint = resolve_checkpoint(path) if (path / ".metadata").is_file() else latest_checkpoint(path)
+    if checkpoint is None:
+        raise UserError(f"checkpoint.init_from = {source} has no complete checkpoint: train it first")
+    check_compatible(checkpoint, config.model)
+    load_checkpoint(checkpoint, model, group)
+
+
+def _check_model(folder: HFFolder, config: Config) -> None:
+    """The run builds the model the folder holds (a config given through the API skips `load_config`'s fill-in)."""
+    origin = str(folder.path / CONFIG_FILE)
+    fixed = hf_spec(folder.config.get("model_type"), origin).hf.config_from_hf(folder.config, origin)
+    for name, value in fixed.items():
+        if name not in FREE and getattr(config.model, name) != value:
+            raise UserError(
+                f"model.{name} = {getattr(config.model, name)!r} but {origin} says {value!r}: "
+                "leave it out of the config (checkpoint.init_from fixes the model)"
+            )
+
+
+def _load_hf(folder: HFFolder, model: nn.Module, config: Config, group: dist.ProcessGroup | None) -> None:
+    _check_model(folder, config)
+    spec = model_spec(config.model)
+    state = get_model_state_dict(model)  # this rank's parameters, by their unsharded names
+    pairs = spec.hf.names(config.model)
+    if pairs is None:
+        whole = spec.hf.from_hf(load_tensors(folder), config.model, folder.source)
+        set_model_state_dict(model, {k: whole[k] for k in state}, options=StateDictOptions(full_state_dict=True))
+        return
+    target = {theirs: state[ours] for ours, theirs in pairs if ours in state}
+    if config.model.tie_embeddings:  # a last pipeline stage's copy of the tied embedding reads the embedding
+        target |= {
+            dict(pairs)[src]: state[copy] for copy, src in spec.tied.items() if copy in state and src not in state
+        }
+    for name, tensor in target.items():
+        if name not in folder.files:
+            raise UserError(f"{folder.source} has no tensor {name}: not the model its config.json describes")
+        if tuple(tensor.shape) != folder.shapes[name]:
+            raise UserError(
+                f"{folder.source}: {name} is {list(folder.shapes[name])}, config.json implies {list(tensor.shape)}"
+            )
+    try:
+        dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(folder.path)), process_group=group)
+    except CheckpointException as e:
+        rank, (error, _) = next(iter(sorted(e.failures.items())))
+        raise UserError(f"{folder.path} cannot be read (rank {rank}: {str(error).splitlines()[0][:200]})") from None
+    with torch.no_grad():
+        set_model_state_dict(model, state)
