@@ -33,10 +33,11 @@ MATRIX = [
     ("ZeRO-2", [*FORCED, "--parallel.zero=2"], 1),
     ("ZeRO-3", [*FORCED, "--parallel.zero=3"], 1),
     ("DDP + bf16 compression", [*FORCED, "--comm.compression=bf16"], 1),
+    ("MoE, EP 1 (all-to-all dispatch)", [*FORCED, "--model.moe_experts=4", "--model.moe_top_k=2"], 1),
     ("TP 2", ["--parallel.tp=2"], 2),
     ("PP 2", ["--parallel.pp=2"], 2),
     ("parameter server 1+1", ["--sync.mode=parameter_server", "--sync.ps_servers=1"], 2),
-    ("ZeRO-2 + CPU offload", ["--parallel.zero=2", "--parallel.cpu_offload=true"], 2),  # needs 2 dp ranks
+    ("ZeRO-2 + CPU offload", ["--parallel.zero=2", "--parallel.cpu_offload=true"], 2),  # one rank shards nothing
 ]
 GPT2 = ["--config", str(ROOT / "configs/gpt2-124m.toml"), "--train.micro_batch_size=8", "--train.grad_accum=1"]
 SMALL = ["--config", str(ROOT / "configs/tiny.toml"), "--model.n_layer=1", "--model.d_model=64", "--model.n_head=2"]
