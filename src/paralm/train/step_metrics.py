@@ -119,6 +119,9 @@ class StepMetrics:
                 named.pop(k) for k in ("loss", "grad_norm", "comm_bytes", "skipped")
             )
             host = pending.host | ({"skipped": True} if skipped else {})
+            trained = host.pop("trained_tokens", None)  # with a loss mask: the targets it trained on
+            if trained is not None:
+                host["trained_tokens_per_s"] = trained / seconds
             rows.append(
                 step_row(
                     pending.step,
