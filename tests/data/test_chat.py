@@ -12,7 +12,7 @@ from paralm.data.prepare import prepare_dataset
 from paralm.data.shards import IGNORE, TokenDataset, read_meta
 from paralm.errors import UserError
 
-WORDS = "the a model trains on many ranks with data tensor pipeline expert context parallel loss step batch".split()
+WORDS = ("the a model trains on many ranks with data tensor pipeline expert context parallel loss step batch").split()  # noqa: SIM905 - a sentence reads better than a list of words
 # The assistant's header ends in "da" and one reply starts with "ta": BPE merges them into "data", a token
 # half template, half reply (a seam). Text after each turn's end-of-turn token is not the assistant's.
 HEADER = "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}da"
@@ -85,7 +85,9 @@ def test_prefix_rendering_gives_the_mask_transformers_gives_with_markers(folders
         assert np.array_equal(ids, ours_ids) and np.array_equal(mask, ours), number
         assert mask.any() and not mask.all()
         tokens = [with_markers.tokenizer.decode([i]) for i in ids]
-        seam += sum(t == "data" and m and tokens[k - 1] == "\n" for k, (t, m) in enumerate(zip(tokens, mask)))
+        seam += sum(
+            t == "data" and m and tokens[k - 1] == "\n" for k, (t, m) in enumerate(zip(tokens, mask, strict=True))
+        )
     assert seam >= 1  # the reply "ta model" after the header's "da": one token, trained on
 
 
@@ -99,8 +101,12 @@ def test_prepare_stores_the_mask_and_the_document_starts(folders, tmp_path):
     expected = [renderer.encode(Chat("", c)) for c in _conversations(60)]
     cuts = [len(ids) - round(len(ids) * 0.1) for ids, _ in expected]
     data = TokenDataset(tmp_path / "ds", "train", 16)
-    assert np.array_equal(np.asarray(data.shards[0]), np.concatenate([i[:c] for (i, _), c in zip(expected, cuts)]))
-    assert np.array_equal(np.asarray(data.masks[0]), np.concatenate([m[:c] for (_, m), c in zip(expected, cuts)]))
+    assert np.array_equal(
+        np.asarray(data.shards[0]), np.concatenate([i[:c] for (i, _), c in zip(expected, cuts, strict=True)])
+    )
+    assert np.array_equal(
+        np.asarray(data.masks[0]), np.concatenate([m[:c] for (_, m), c in zip(expected, cuts, strict=True)])
+    )
     assert np.array_equal(data.starts[0], np.cumsum([0, *cuts[:-1]]))
     windows = np.arange(0, data.num_windows, 7)
     x, y = data.batch(windows)
@@ -108,7 +114,7 @@ def test_prepare_stores_the_mask_and_the_document_starts(folders, tmp_path):
     assert np.array_equal((y != IGNORE).numpy(), trained) and data.trained_tokens(windows) == trained.sum()
     docs = data.documents(windows)
     starts = set(data.starts[0].tolist())
-    for row, w in zip(docs.tolist(), windows):
+    for row, w in zip(docs.tolist(), windows, strict=True):
         assert row[0] == 0 and all(row[t] - row[t - 1] == (w + t in starts) for t in range(1, 16))
 
 
@@ -123,7 +129,11 @@ def _write(path, rows):
         ([{"text": "hi"}], "marked", r"chats\.jsonl:1 has no field 'messages'.*--messages-field"),
         ([{"messages": [{"content": "hi"}]}], "marked", r"chats\.jsonl:1: message 0 has no 'role'"),
         ([{"messages": [{"role": "user"}]}], "marked", r"message 0 has no 'content'"),
-        ([{"messages": [{"role": "robot", "content": "hi"}]}], "marked", r"chats\.jsonl:1: the chat template .* rejects"),
+        (
+            [{"messages": [{"role": "robot", "content": "hi"}]}],
+            "marked",
+            r"chats\.jsonl:1: the chat template .* rejects",
+        ),
         ([{"messages": [{"role": "user", "content": "hi"}]}], "plain", r"has no chat template"),
     ],
 )

@@ -26,7 +26,9 @@ def test_positions_and_mask_restart_at_each_document():
     [("gpt2", {}), ("llama", {"n_kv_heads": 2, "tie_embeddings": False})],
 )
 def test_a_packed_sequence_gives_each_document_its_own_logits(family, fields):
-    config = ModelConfig(family=family, n_layer=2, n_head=4, d_model=32, block_size=24, vocab_size=64, dropout=0.0, **fields)
+    config = ModelConfig(
+        family=family, n_layer=2, n_head=4, d_model=32, block_size=24, vocab_size=64, dropout=0.0, **fields
+    )
     torch.manual_seed(0)
     model = widened(model_spec(config).build(config).eval())
     lengths = [7, 12, 5]

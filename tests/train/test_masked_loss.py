@@ -25,7 +25,9 @@ from tests.multiprocess import run_ranks
 def chat_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in _conversations(150)))
-    prepare_dataset([str(root / "chats.jsonl")], str(root / "ds"), str(_tokenizer(root / "tok", TEMPLATE)), 0, 0.1, chat=True)
+    prepare_dataset(
+        [str(root / "chats.jsonl")], str(root / "ds"), str(_tokenizer(root / "tok", TEMPLATE)), 0, 0.1, chat=True
+    )
     return root / "ds"
 
 

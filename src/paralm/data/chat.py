@@ -122,4 +122,6 @@ def _load(directory: Path):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"--chat: cannot load the tokenizer folder {folder} ({reason}): pass a tokenizer folder") from None
+        raise UserError(
+            f"--chat: cannot load the tokenizer folder {folder} ({reason}): pass a tokenizer folder"
+        ) from None

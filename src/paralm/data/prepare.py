@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from paralm.config.mixture import Source, parse_mixture
 from paralm.config.schema import DataConfig
+from paralm.data.chat import Chat
 from paralm.data.corpus import default_corpus
 from paralm.data.shards import (
     FORMAT_VERSION,
@@ -29,7 +30,6 @@ from paralm.data.shards import (
     token_dtype,
     written_by_paralm,
 )
-from paralm.data.chat import Chat
 from paralm.data.sources import TextFields, iter_chats, iter_documents, resolve_inputs
 from paralm.data.tokenize_pool import Encoded, Encoding, encode_stream
 from paralm.data.tokenizer import BPE_FILE, SPECIALS_FILE, BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer

@@ -94,7 +94,9 @@ def encode_batch(encoding: Encoding, backend, texts: list) -> Encoded:
     if masks is None:
         head = [] if encoding.bos_id is None else [encoding.bos_id]
         tail = [] if encoding.eot_id is None else [encoding.eot_id]
-        docs = [np.concatenate([np.asarray(head, dtype=np.int64), ids, np.asarray(tail, dtype=np.int64)]) for ids in docs]
+        docs = [
+            np.concatenate([np.asarray(head, dtype=np.int64), ids, np.asarray(tail, dtype=np.int64)]) for ids in docs
+        ]
     dtype = np.dtype(encoding.dtype)
     cuts = [len(d) - int(round(len(d) * encoding.val_fraction)) for d in docs]
     train = _split(docs, masks, cuts, dtype, head=True)

@@ -132,9 +132,7 @@ class Pipeline(nn.Module):
                 dist.all_reduce(grads[0], group=self.tied_group)
 
     @torch.no_grad()
-    def eval_loss(
-        self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Mean loss of one batch, passed through the stages in order; None off the last stage."""
         hidden = x
         for s, module in sorted(self.stage_modules.items()):

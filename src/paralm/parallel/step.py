@@ -18,7 +18,6 @@ from paralm.parallel.precision import autocast
 from paralm.parallel.tensor import local_value, loss_context
 
 
-
 class Batches(list):
     """This rank's micro-batches of one step, each (x, y) or (x, y, documents) (`documents`: which document
     each input token belongs to, with `data.document_mask`). With a loss mask, `loss_tokens` is the
