@@ -45,6 +45,7 @@ def evaluate_run(
         config.train.micro_batch_size,
         config.train.seed,
         loaded.device,
+        config.data.document_mask,
     )
     return EvalResult(loaded.checkpoint, loss, math.exp(loss), tokens)
 
@@ -70,6 +71,6 @@ def heldout_loss(
         x = tokens[start : start + block_size]
         y = tokens[start + 1 : start + block_size + 1]
         x = x[: len(y)]
-        total += float(batch_loss(x[None].to(device), y[None].to(device))) * len(y)
+        total += float(batch_loss(x[None].to(device), y[None].to(device), None)) * len(y)
         count += len(y)
     return total / count, count

@@ -107,7 +107,7 @@ def test_workers_give_the_same_tokens_in_the_same_order(tok_file):
 
     def run(workers):
         parts = list(encode_stream(encoding, iter(DOCS), workers, batch_bytes=500))
-        return np.concatenate([p.train for p in parts]), sum(p.documents for p in parts), len(parts)
+        return np.concatenate([p.train.tokens for p in parts]), sum(p.documents for p in parts), len(parts)
 
     serial, parallel = run(1), run(2)
     assert parallel[2] > 2 and parallel[1] == 60  # many batches, spread over two processes

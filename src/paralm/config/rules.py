@@ -186,7 +186,11 @@ def check_context_parallel(config: Config) -> None:
             f"model.block_size / parallel.cp = {m.block_size // p.cp} is not divisible by parallel.tp = {p.tp}, "
             "the pieces sequence parallelism cuts each rank's positions into"
         )
-    for name, on in {"parallel.pp": p.pp > 1, "parallel.zero = 1": p.zero == 1}.items():
+    for name, on in {
+        "parallel.pp": p.pp > 1,
+        "parallel.zero = 1": p.zero == 1,
+        "data.document_mask (its attention masks are not split across ranks)": config.data.document_mask,
+    }.items():
         if on:
             raise UserError(f"parallel.cp = {p.cp} does not compose with {name}: set parallel.cp = 1 or turn it off")
 

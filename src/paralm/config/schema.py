@@ -49,6 +49,9 @@ class DataConfig:
     bpe_vocab_size: int = option(4096, "BPE vocabulary size for the embedded corpus")
     val_fraction: float = option(0.1, "share of the token stream held out for validation")
     mixture: list[str] = option([], 'prepared datasets with weights, "PATH:WEIGHT" each; replaces data.path')
+    document_mask: bool = option(
+        False, "attend only within each packed document and restart positions at its start (docs/sft.md)"
+    )
 
 
 @dataclass

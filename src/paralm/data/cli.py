@@ -19,9 +19,10 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
-        fields=TextFields(args.text_field, args.text_column),
+        fields=TextFields(args.text_field, args.text_column, args.messages_field),
         workers=args.workers,
         dedup=args.dedup,
+        chat=args.chat,
     )
     print(summary)
     return 0
@@ -42,4 +43,8 @@ def add_data_verb(verbs: argparse._SubParsersAction) -> None:
     prepare.add_argument("--text-column", default="text", help="Parquet / saved-dataset column holding the text")
     prepare.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="tokenizer processes")
     prepare.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
+    prepare.add_argument(
+        "--chat", action="store_true", help="conversations, rendered with the tokenizer's chat template (docs/sft.md)"
+    )
+    prepare.add_argument("--messages-field", default="messages", help="with --chat: the field holding the messages")
     prepare.set_defaults(func=_prepare)

@@ -43,22 +43,48 @@ class MixedData:
         draws = uniform_at(seed + MIX_SEED_OFFSET, indices)
         return np.minimum(np.searchsorted(self._bounds, draws, side="right"), len(self.sources) - 1)
 
-    def sample(self, seed: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets, each (count, block_size), of global samples start .. start + count - 1."""
+    def _draws(self, seed: int, start: int, count: int) -> list[tuple[TokenDataset, np.ndarray, np.ndarray]]:
+        """For each source: its dataset, which of the samples start .. start + count - 1 it gives, and
+        their windows."""
         if len(self.datasets) == 1:  # the single-source stream, unchanged
             data = self.datasets[0]
-            return data.batch(sample_windows(seed, start, count, data.num_windows))
+            return [(data, np.arange(count), sample_windows(seed, start, count, data.num_windows))]
         indices = np.arange(start, start + count, dtype=np.uint64)
         which = self.source_of(seed, indices)
-        block = self.datasets[0].block_size
-        x = torch.empty(count, block, dtype=torch.int64)
-        y = torch.empty(count, block, dtype=torch.int64)
+        draws = []
         for s, data in enumerate(self.datasets):
             rows = np.flatnonzero(which == s)
             if len(rows):
-                xs, ys = data.batch(windows_at(seed + 1 + s, indices[rows], data.num_windows))
-                x[rows], y[rows] = xs, ys
+                draws.append((data, rows, windows_at(seed + 1 + s, indices[rows], data.num_windows)))
+        return draws
+
+    def sample(self, seed: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (count, block_size), of global samples start .. start + count - 1."""
+        draws = self._draws(seed, start, count)
+        if len(self.datasets) == 1:
+            return draws[0][0].batch(draws[0][2])
+        block = self.datasets[0].block_size
+        x = torch.empty(count, block, dtype=torch.int64)
+        y = torch.empty(count, block, dtype=torch.int64)
+        for data, rows, windows in draws:
+            x[rows], y[rows] = data.batch(windows)
         return x, y
+
+    def documents(self, seed: int, start: int, count: int) -> torch.Tensor:
+        """Which document each input token of these samples belongs to (`TokenDataset.documents`)."""
+        ids = torch.empty(count, self.datasets[0].block_size, dtype=torch.int64)
+        for data, rows, windows in self._draws(seed, start, count):
+            ids[rows] = data.documents(windows)
+        return ids
+
+    @property
+    def has_loss_mask(self) -> bool:
+        return any(data.has_loss_mask for data in self.datasets)
+
+    def trained_tokens(self, seed: int, start: int, count: int) -> int:
+        """The targets of these samples the loss trains on, read from the masks alone (cheap enough for
+        every rank to count the whole global batch)."""
+        return sum(data.trained_tokens(windows) for data, _, windows in self._draws(seed, start, count))
 
     def positions(self, seed: int, samples_seen: int) -> dict[str, int]:
         """The samples each source has given in the first `samples_seen` of the run."""

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from paralm.config.mixture import Source, parse_mixture
 from paralm.config.schema import DataConfig
+from paralm.data.chat import Chat
 from paralm.data.corpus import default_corpus
 from paralm.data.shards import (
     FORMAT_VERSION,
@@ -24,11 +25,12 @@ from paralm.data.shards import (
     META_FILE,
     SHARD_TOKENS,
     ShardWriter,
+    dataset_files,
     read_meta,
     token_dtype,
     written_by_paralm,
 )
-from paralm.data.sources import TextFields, iter_documents, resolve_inputs
+from paralm.data.sources import TextFields, iter_chats, iter_documents, resolve_inputs
 from paralm.data.tokenize_pool import Encoded, Encoding, encode_stream
 from paralm.data.tokenizer import BPE_FILE, SPECIALS_FILE, BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer
 from paralm.errors import UserError
@@ -37,16 +39,18 @@ from paralm.launch.lifeline import process_alive
 
 
 def write_dataset(
-    documents: Iterable[str],
+    documents: Iterable[str] | Iterable[Chat],
     out: Path,
     tokenizer: Tokenizer,
     val_fraction: float,
     shard_tokens: int = SHARD_TOKENS,
     workers: int = 1,
     dedup: bool = False,
+    chat_dir: Path | None = None,
 ) -> dict:
     """Tokenize each document (streamed, in `workers` processes) and split it: its first
-    (1 - val_fraction) tokens go to train, the rest to validation. Every document then feeds both
+    (1 - val_fraction) tokens go to train, the rest to validation. Conversations (`chat_dir`: the
+    tokenizer folder whose chat template renders them) are stored with their loss masks. Every document then feeds both
     splits in proportion, which keeps the validation set representative for single-file corpora too.
     Written into a temporary folder and renamed, so an interrupted run never leaves a folder that looks
     complete (and the next run removes what it left)."""
@@ -60,12 +64,15 @@ def write_dataset(
     tmp.mkdir(parents=True)
     try:
         dtype = token_dtype(tokenizer.vocab_size)
-        writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
+        chat = chat_dir is not None
+        writers = {split: ShardWriter(tmp, split, dtype, shard_tokens, masked=chat) for split in ("train", "val")}
         unique = Unique(documents) if dedup else None
         progress = Progress(tokenizer.name)
-        for encoded in encode_stream(_encoding(tokenizer, val_fraction, dtype), unique or documents, workers):
-            writers["train"].write(encoded.train)
-            writers["val"].write(encoded.val)
+        encoding = _encoding(tokenizer, val_fraction, dtype, chat_dir)
+        for encoded in encode_stream(encoding, unique or documents, workers):
+            for name, split in (("train", encoded.train), ("val", encoded.val)):
+                writers[name].write(split.tokens, split.starts, split.mask)
+                progress.trained += int(split.mask.sum()) if chat else 0
             progress.update(encoded)
         progress.close()
         for writer in writers.values():
@@ -82,6 +89,9 @@ def write_dataset(
             "documents": progress.documents,
             "duplicates_dropped": unique.dropped if unique else 0,
             "val_fraction": val_fraction,
+            "document_starts": True,
+            "loss_mask": chat,
+            **({"trained_tokens": progress.trained} if chat else {}),
             "splits": {s: {"shards": w.shards, "tokens": w.tokens} for s, w in writers.items()},
             "shard_tokens": {
                 name: (tmp / name).stat().st_size // dtype.itemsize for w in writers.values() for name in w.shards
@@ -95,7 +105,7 @@ def write_dataset(
     return meta
 
 
-def _encoding(tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype) -> Encoding:
+def _encoding(tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype, chat_dir: Path | None) -> Encoding:
     backend = getattr(tokenizer, "backend", None)
     return Encoding(
         None if backend is None else backend.to_str(),
@@ -103,6 +113,7 @@ def _encoding(tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype) -> Enc
         tokenizer.bos_id,
         val_fraction,
         dtype.name,
+        None if chat_dir is None else str(chat_dir),
     )
 
 
@@ -136,13 +147,13 @@ class Progress:
     """Documents, tokens and MB/s on a terminal (nothing when stderr is not one)."""
 
     def __init__(self, name: str) -> None:
-        self.documents = self.tokens = self.text_bytes = 0
+        self.documents = self.tokens = self.text_bytes = self.trained = 0
         self.started = time.perf_counter()
         self.bar = tqdm(desc=f"tokenizing ({name})", unit="doc", disable=not sys.stderr.isatty())
 
     def update(self, encoded: Encoded) -> None:
         self.documents += encoded.documents
-        self.tokens += len(encoded.train) + len(encoded.val)
+        self.tokens += len(encoded.train.tokens) + len(encoded.val.tokens)
         self.text_bytes += encoded.text_bytes
         seconds = max(time.perf_counter() - self.started, 1e-9)
         self.bar.update(encoded.documents)
@@ -170,8 +181,7 @@ def check_replaceable(out: Path) -> None:
             f"--out {out} holds a {META_FILE} that paralm did not write: not replacing the folder; "
             "choose an empty or new folder"
         )
-    shards = meta.get("shard_tokens")
-    listed = {META_FILE, BPE_FILE, SPECIALS_FILE, *(shards if isinstance(shards, dict) else {})}
+    listed = {META_FILE, BPE_FILE, SPECIALS_FILE, *dataset_files(meta)}
     others = sorted(p.name for p in out.iterdir() if p.name not in listed or not p.is_file())
     if others:
         raise UserError(
@@ -210,13 +220,25 @@ def prepare_dataset(
     fields: TextFields | None = None,
     workers: int = 1,
     dedup: bool = False,
+    chat: bool = False,
 ) -> str:
     """The `data prepare` verb: returns a one-paragraph summary for the terminal."""
     check_replaceable(Path(out))  # before reading and tokenizing everything
     paths = resolve_inputs(inputs)
+    fields = fields or TextFields()
+    if chat:
+        if tokenizer in ("byte", "bpe"):
+            raise UserError("--chat renders conversations with a tokenizer's chat template: pass --tokenizer FOLDER")
+        from paralm.data.chat import ChatRenderer
+
+        renderer = ChatRenderer(Path(tokenizer))  # refuses a tokenizer without a template before reading
+        made = make_tokenizer(tokenizer, vocab_size, lambda: ())
+        chats = iter_chats(paths, fields)
+        meta = write_dataset(chats, Path(out), made, val_fraction, workers=workers, chat_dir=renderer.directory)
+        return _summary(Path(out), meta)
 
     def documents() -> Iterator[str]:
-        return iter_documents(paths, fields or TextFields())
+        return iter_documents(paths, fields)
 
     made = make_tokenizer(tokenizer, vocab_size, documents)
     meta = write_dataset(documents(), Path(out), made, val_fraction, workers=workers, dedup=dedup)
@@ -229,6 +251,7 @@ def _summary(out: Path, meta: dict) -> str:
         f"{out}: {meta['documents']} documents, tokenizer {meta['tokenizer']} (vocab {meta['vocab_size']}), "
         f"train {splits['train']['tokens']:,} tokens in {len(splits['train']['shards'])} shard(s), "
         f"val {splits['val']['tokens']:,} tokens"
+        + (f"; the loss trains on {meta['trained_tokens']:,} (assistant) tokens" if meta.get("loss_mask") else "")
     )
 
 

@@ -1,8 +1,11 @@
 """Token shards: flat arrays of token ids on disk, memory-mapped for reading.
 
 A prepared dataset is a folder with `meta.json`, the tokenizer (if it has state) and, per split,
-files `train_000000.bin`, ... of at most `SHARD_TOKENS` tokens each. Memory-mapping means a rank
-touches only the pages of the windows it samples, whatever the corpus size. `meta.json` carries
+files `train_000000.bin`, ... of at most `SHARD_TOKENS` tokens each. Beside each shard: `.docs`, the
+offsets (int64) where its documents start, so packed windows can keep attention inside a document
+(`data.document_mask`); and for chat data `.mask`, one uint8 per token, 1 where the loss trains on it
+(the assistant's turns). Memory-mapping means a rank touches only the pages of the windows it samples,
+whatever the corpus size. `meta.json` carries
 paralm's marker (`MARKER`), so `data prepare --out` knows a folder it may replace from someone
 else's folder that merely holds a `meta.json`.
 """
@@ -30,42 +33,71 @@ UNMARKED_FIELDS = frozenset(
 )
 
 
+IGNORE = -100  # a target the loss skips (`F.cross_entropy`'s default ignore_index)
+DOCS_SUFFIX, MASK_SUFFIX = ".docs", ".mask"
+
+
+def companion(shard: str, suffix: str) -> str:
+    """The name of a shard's document-starts or loss-mask file."""
+    return shard.removesuffix(".bin") + suffix
+
+
+def dataset_files(meta: dict) -> set[str]:
+    """Every shard file a prepared dataset's meta.json lists, with their document starts and masks."""
+    shards = meta.get("shard_tokens")
+    shards = list(shards) if isinstance(shards, dict) else []
+    suffixes = ([DOCS_SUFFIX] if meta.get("document_starts") else []) + ([MASK_SUFFIX] if meta.get("loss_mask") else [])
+    return {*shards, *(companion(name, suffix) for name in shards for suffix in suffixes)}
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
 class ShardWriter:
-    """Appends token arrays to a split, starting a new shard file every `shard_tokens` tokens."""
+    """Appends token arrays to a split, starting a new shard file every `shard_tokens` tokens; beside
+    each shard, its documents' start offsets and (chat data) the loss mask."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int = SHARD_TOKENS) -> None:
+    def __init__(
+        self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int = SHARD_TOKENS, masked: bool = False
+    ) -> None:
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.masked = masked
         self.shards: list[str] = []
         self.tokens = 0
-        self._file = None
+        self._files: list = []
         self._in_shard = 0
 
-    def write(self, tokens: np.ndarray) -> None:
+    def write(self, tokens: np.ndarray, starts: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append `tokens`, whose documents begin at offsets `starts` (sorted), with their loss mask."""
         tokens = tokens.astype(self.dtype, copy=False)
+        starts = np.asarray(starts, dtype=np.int64)
         while len(tokens):
-            if self._file is None or self._in_shard == self.shard_tokens:
+            if not self._files or self._in_shard == self.shard_tokens:
                 self._open_next()
             take = min(len(tokens), self.shard_tokens - self._in_shard)
-            tokens[:take].tofile(self._file)
+            tokens[:take].tofile(self._files[0])
+            here = starts[starts < take]
+            (here + self._in_shard).tofile(self._files[1])
+            if self.masked:
+                mask[:take].astype(np.uint8, copy=False).tofile(self._files[2])
+                mask = mask[take:]
             self._in_shard += take
             self.tokens += take
-            tokens = tokens[take:]
+            tokens, starts = tokens[take:], starts[len(here) :] - take
 
     def _open_next(self) -> None:
         self.close()
         name = f"{self.split}_{len(self.shards):06d}.bin"
         self.shards.append(name)
-        self._file = open(self.directory / name, "wb")  # noqa: SIM115 - closed in close()
+        names = [name, companion(name, DOCS_SUFFIX)] + ([companion(name, MASK_SUFFIX)] if self.masked else [])
+        self._files = [open(self.directory / n, "wb") for n in names]  # noqa: SIM115 - closed in close()
         self._in_shard = 0
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for file in self._files:
+            file.close()
+        self._files = []
 
 
 def read_meta(directory: Path) -> dict:
@@ -101,13 +133,14 @@ class TokenDataset:
         self.meta = read_meta(self.directory)
         self.block_size = block_size
         dtype = np.dtype(self.meta["dtype"])
-        self.shards = []
+        self.shards, self.starts, self.masks = [], [], []
         for name in self.meta["splits"][split]["shards"]:
-            path = self.directory / name
             expected = self.meta["shard_tokens"][name]
-            if not path.is_file() or path.stat().st_size != expected * dtype.itemsize:
-                raise UserError(f"shard {path} is missing or truncated: prepare the data again")
-            self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
+            self.shards.append(_mapped(self.directory / name, dtype, expected))
+            if self.has_documents:
+                self.starts.append(np.fromfile(self.directory / companion(name, DOCS_SUFFIX), dtype=np.int64))
+            if self.has_loss_mask:
+                self.masks.append(_mapped(self.directory / companion(name, MASK_SUFFIX), np.dtype(np.uint8), expected))
         windows = [max(len(s) - block_size, 0) for s in self.shards]
         self._ends = np.cumsum(windows)
         if self.num_windows == 0:
@@ -124,15 +157,66 @@ class TokenDataset:
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
+    @property
+    def has_loss_mask(self) -> bool:
+        """Chat data: the loss trains only on the tokens its mask marks."""
+        return bool(self.meta.get("loss_mask"))
+
+    @property
+    def has_documents(self) -> bool:
+        """Where documents start is stored (datasets prepared before it was are not)."""
+        return bool(self.meta.get("document_starts"))
+
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.meta["tokenizer"], self.directory)
 
-    def batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets, each (len(windows), block_size), for global window indices."""
+    def _locate(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         shard_ids = np.searchsorted(self._ends, windows, side="right")
-        starts = windows - np.concatenate(([0], self._ends))[shard_ids]
-        rows = np.stack(
-            [self.shards[s][o : o + self.block_size + 1] for s, o in zip(shard_ids, starts, strict=True)]
-        ).astype(np.int64)
+        return shard_ids, windows - np.concatenate(([0], self._ends))[shard_ids]
+
+    def batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each (len(windows), block_size), for global window indices;
+        with a loss mask, the targets it does not train on are `IGNORE`."""
+        shard_ids, starts = self._locate(windows)
+        pairs = list(zip(shard_ids, starts, strict=True))
+        rows = np.stack([self.shards[s][o : o + self.block_size + 1] for s, o in pairs]).astype(np.int64)
         tokens = torch.from_numpy(rows)
-        return tokens[:, :-1], tokens[:, 1:]
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if self.has_loss_mask:
+            trained = np.stack([self.masks[s][o + 1 : o + self.block_size + 1] for s, o in pairs]).astype(bool)
+            y = y.masked_fill(torch.from_numpy(~trained), IGNORE)
+        return x, y
+
+    def trained_tokens(self, windows: np.ndarray) -> int:
+        """How many targets of these windows the loss trains on (reads only the masks)."""
+        if not self.has_loss_mask:
+            return len(windows) * self.block_size
+        shard_ids, starts = self._locate(windows)
+        return int(
+            sum(
+                np.count_nonzero(self.masks[s][o + 1 : o + self.block_size + 1])
+                for s, o in zip(shard_ids, starts, strict=True)
+            )
+        )
+
+    def documents(self, windows: np.ndarray) -> torch.Tensor:
+        """Which document each input token belongs to, (len(windows), block_size): 0 for the document the
+        window starts in, counting up at each stored document start."""
+        if not self.has_documents:
+            raise UserError(
+                f"data.document_mask needs the document starts that {self.directory} lacks (prepared by an "
+                "older paralm): prepare the data again"
+            )
+        shard_ids, starts = self._locate(windows)
+        rows = []
+        for s, o in zip(shard_ids, starts, strict=True):
+            first = np.searchsorted(self.starts[s], o, side="right")
+            ids = np.searchsorted(self.starts[s], np.arange(o, o + self.block_size), side="right") - first
+            rows.append(ids)
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def _mapped(path: Path, dtype: np.dtype, expected: int) -> np.memmap:
+    if not path.is_file() or path.stat().st_size != expected * dtype.itemsize:
+        raise UserError(f"shard {path} is missing or truncated: prepare the data again")
+    return np.memmap(path, dtype=dtype, mode="r")

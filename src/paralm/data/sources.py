@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from paralm.data.chat import Chat, check_messages
 from paralm.data.corpus import expand_inputs
 from paralm.errors import UserError
 
@@ -26,6 +27,7 @@ class TextFields:
 
     jsonl: str = "text"
     column: str = "text"
+    messages: str = "messages"  # with --chat: the field or column holding each conversation
 
 
 def resolve_inputs(inputs: list[str]) -> list[Path]:
@@ -55,6 +57,23 @@ def iter_documents(paths: list[Path], fields: TextFields) -> Iterator[str]:
             yield _text(path)
 
 
+def iter_chats(paths: list[Path], fields: TextFields) -> Iterator[Chat]:
+    """Every conversation of every JSONL file, Parquet file or saved dataset, checked row by row."""
+    field = fields.messages
+    for path in paths:
+        if _is_saved_dataset(path):
+            rows = enumerate(_saved_dataset(path, field, kind=list), 1)
+        elif path.name.endswith(PARQUET_SUFFIXES):
+            rows = enumerate(_parquet(path, field, kind=list), 1)
+        elif path.name.endswith(JSONL_SUFFIXES):
+            rows = _jsonl_values(path, field, "--messages-field")
+        else:
+            raise UserError(f"--chat reads JSONL, Parquet or saved datasets of conversations: {path} is none of them")
+        for number, messages in rows:
+            where = f"{path}:{number}" if path.name.endswith(JSONL_SUFFIXES) else f"{path} row {number}"
+            yield Chat(where, check_messages(messages, where, field))
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -65,6 +84,14 @@ def _text(path: Path) -> str:
 
 
 def _jsonl(path: Path, field: str) -> Iterator[str]:
+    for number, value in _jsonl_values(path, field, "--text-field"):
+        if not isinstance(value, str):
+            raise UserError(f"{path}:{number}: field {field!r} is not a string: set --text-field")
+        yield value
+
+
+def _jsonl_values(path: Path, field: str, option: str) -> Iterator[tuple[int, object]]:
+    """(line number, the field's value) of each record; a line without the field is a user error."""
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -76,17 +103,15 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                     raise UserError(f"{path}:{number} is not a JSON object: --input expects one per line") from None
                 if not isinstance(record, dict) or field not in record:
                     keys = sorted(record) if isinstance(record, dict) else []
-                    raise UserError(f"{path}:{number} has no field {field!r} (it has {keys}): set --text-field")
-                if not isinstance(record[field], str):
-                    raise UserError(f"{path}:{number}: field {field!r} is not a string: set --text-field")
-                yield record[field]
+                    raise UserError(f"{path}:{number} has no field {field!r} (it has {keys}): set {option}")
+                yield number, record[field]
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 JSON lines: remove it from --input or convert it") from None
     except OSError as e:
         raise UserError(f"{path} cannot be read: {e.strerror}") from None
 
 
-def _parquet(path: Path, column: str) -> Iterator[str]:
+def _parquet(path: Path, column: str, kind: type = str) -> Iterator:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -96,16 +121,16 @@ def _parquet(path: Path, column: str) -> Iterator[str]:
         raise UserError(f"{path} is not a readable Parquet file ({e}): remove it from --input") from None
     names = file.schema_arrow.names
     if column not in names:
-        raise UserError(f"{path} has no column {column!r} (it has {names}): set --text-column")
-    if not pa.types.is_string(file.schema_arrow.field(column).type) and not pa.types.is_large_string(
-        file.schema_arrow.field(column).type
-    ):
+        option = "--text-column" if kind is str else "--messages-field"
+        raise UserError(f"{path} has no column {column!r} (it has {names}): set {option}")
+    type_ = file.schema_arrow.field(column).type
+    if kind is str and not pa.types.is_string(type_) and not pa.types.is_large_string(type_):
         raise UserError(f"{path}: column {column!r} is not text: set --text-column")
     for batch in file.iter_batches(batch_size=4096, columns=[column]):  # within one row group at a time
-        yield from (t for t in batch.column(0).to_pylist() if t is not None)
+        yield from (t for t in batch.column(0).to_pylist() if t is not None or kind is not str)
 
 
-def _saved_dataset(path: Path, column: str) -> Iterator[str]:
+def _saved_dataset(path: Path, column: str, kind: type = str) -> Iterator:
     import datasets
 
     try:
@@ -115,6 +140,7 @@ def _saved_dataset(path: Path, column: str) -> Iterator[str]:
     splits = [loaded] if isinstance(loaded, datasets.Dataset) else [loaded[k] for k in sorted(loaded)]
     for split in splits:
         if column not in split.column_names:
-            raise UserError(f"{path} has no column {column!r} (it has {split.column_names}): set --text-column")
+            option = "--text-column" if kind is str else "--messages-field"
+            raise UserError(f"{path} has no column {column!r} (it has {split.column_names}): set {option}")
         for batch in split.select_columns([column]).iter(batch_size=1000):
-            yield from (t for t in batch[column] if t is not None)
+            yield from (t for t in batch[column] if t is not None or kind is not str)

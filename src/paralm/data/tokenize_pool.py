@@ -13,8 +13,11 @@ import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from paralm.data.chat import Chat, ChatRenderer
 
 BATCH_BYTES = 1 << 20
 
@@ -29,12 +32,22 @@ class Encoding:
     bos_id: int | None
     val_fraction: float
     dtype: str
+    chat_dir: str | None = None  # conversations: rendered with this tokenizer folder's chat template
+
+
+@dataclass
+class Split:
+    """One split's share of a batch: its tokens, where each document's piece starts, the loss mask."""
+
+    tokens: np.ndarray
+    starts: np.ndarray
+    mask: np.ndarray | None
 
 
 @dataclass
 class Encoded:
-    train: np.ndarray
-    val: np.ndarray
+    train: Split
+    val: Split
     documents: int
     text_bytes: int
 
@@ -49,6 +62,8 @@ def _init_worker(encoding: Encoding) -> None:
 
 
 def _backend(encoding: Encoding):
+    if encoding.chat_dir is not None:
+        return ChatRenderer(Path(encoding.chat_dir))
     if encoding.tokenizer_json is None:
         return None
     from tokenizers import Tokenizer
@@ -61,37 +76,56 @@ def _encode_in_worker(texts: list[str]) -> Encoded:
     return encode_batch(*_worker_state, texts)
 
 
-def encode_batch(encoding: Encoding, backend, texts: list[str]) -> Encoded:
+def encode_batch(encoding: Encoding, backend, texts: list) -> Encoded:
     """Each document as [bos] + tokens + [eot] (where defined), its first (1 - val_fraction) tokens to
-    train and the rest to validation, so every document feeds both splits in proportion."""
-    if backend is None:
+    train and the rest to validation, so every document feeds both splits in proportion. A conversation
+    is its chat template's rendering alone, with its loss mask."""
+    masks = None
+    if isinstance(backend, ChatRenderer):
+        encoded = [backend.encode(chat) for chat in texts]
+        docs, masks = [ids for ids, _ in encoded], [mask for _, mask in encoded]
+        size = sum(_size(chat) for chat in texts)
+    elif backend is None:
         docs = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        size = sum(len(d) for d in docs)
     else:
         docs = [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch(texts, add_special_tokens=False)]
-    head = [] if encoding.bos_id is None else [encoding.bos_id]
-    tail = [] if encoding.eot_id is None else [encoding.eot_id]
-    train, val = [], []
-    for ids in docs:
-        tokens = np.concatenate([np.asarray(head, dtype=np.int64), ids, np.asarray(tail, dtype=np.int64)])
-        cut = len(tokens) - int(round(len(tokens) * encoding.val_fraction))
-        train.append(tokens[:cut])
-        val.append(tokens[cut:])
+        size = sum(len(t.encode("utf-8")) for t in texts)
+    if masks is None:
+        head = [] if encoding.bos_id is None else [encoding.bos_id]
+        tail = [] if encoding.eot_id is None else [encoding.eot_id]
+        docs = [
+            np.concatenate([np.asarray(head, dtype=np.int64), ids, np.asarray(tail, dtype=np.int64)]) for ids in docs
+        ]
     dtype = np.dtype(encoding.dtype)
-    empty = np.zeros(0, dtype=dtype)
-    return Encoded(
-        np.concatenate(train).astype(dtype) if train else empty,
-        np.concatenate(val).astype(dtype) if val else empty,
-        len(texts),
-        sum(len(t.encode("utf-8")) for t in texts) if backend is not None else sum(len(d) for d in docs),
-    )
+    cuts = [len(d) - int(round(len(d) * encoding.val_fraction)) for d in docs]
+    train = _split(docs, masks, cuts, dtype, head=True)
+    val = _split(docs, masks, cuts, dtype, head=False)
+    return Encoded(train, val, len(texts), size)
 
 
-def batches(documents: Iterable[str], batch_bytes: int = BATCH_BYTES) -> Iterator[list[str]]:
-    """Documents grouped into lists of about `batch_bytes` characters."""
+def _split(docs: list, masks: list | None, cuts: list[int], dtype: np.dtype, head: bool) -> Split:
+    """Each document's piece before (head) or after its cut, concatenated, with the offsets where each
+    non-empty piece starts."""
+    pieces = [d[:c] if head else d[c:] for d, c in zip(docs, cuts, strict=True)]
+    masks = None if masks is None else [m[:c] if head else m[c:] for m, c in zip(masks, cuts, strict=True)]
+    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]
+    tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype=dtype)
+    mask = None if masks is None else (np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8))
+    return Split(tokens, starts, mask)
+
+
+def _size(document: str | Chat) -> int:
+    return len(document) if isinstance(document, str) else sum(len(str(m.get("content"))) for m in document.messages)
+
+
+def batches(documents: Iterable[str | Chat], batch_bytes: int = BATCH_BYTES) -> Iterator[list]:
+    """Documents (or conversations) grouped into lists of about `batch_bytes` characters."""
     batch, size = [], 0
     for text in documents:
         batch.append(text)
-        size += len(text)
+        size += _size(text)
         if size >= batch_bytes:
             yield batch
             batch, size = [], 0
@@ -100,7 +134,7 @@ def batches(documents: Iterable[str], batch_bytes: int = BATCH_BYTES) -> Iterato
 
 
 def encode_stream(
-    encoding: Encoding, documents: Iterable[str], workers: int, batch_bytes: int = BATCH_BYTES
+    encoding: Encoding, documents: Iterable[str | Chat], workers: int, batch_bytes: int = BATCH_BYTES
 ) -> Iterator[Encoded]:
     """Encoded batches in document order; `workers` > 1 spreads them over that many processes (started
     only when there is more than one batch)."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralm.models.config import ModelConfig
+from paralm.models.documents import document_mask, document_positions, masked_attend
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.seeding import seed_parameter
@@ -39,10 +40,13 @@ class CausalSelfAttention(nn.Module):
         self.attend: Attend = attend  # context parallelism swaps in an attention across ranks
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = self.attend(q, k, v, cache, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 
@@ -67,8 +71,10 @@ class Block(nn.Module):
         moe = is_moe_block(config, index)  # GELU experts of the MLP's width, without biases
         self.mlp = MoE(config, 4 * config.d_model, gated=False) if moe else MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache=cache)
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache=cache, mask=mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -113,14 +119,22 @@ class GPT(nn.Module):
             buffer.zero_()
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (batch, seq) to logits (batch, seq, vocab).
 
         On a pipeline stage without the embedding, `x` is the previous stage's hidden states; on
         one without the head, the hidden states are returned. `positions` (seq,): the tokens' global
-        positions (default: counted from the cache's length).
+        positions (default: counted from the cache's length). `documents` (batch, seq): packed
+        documents' ids; attention stays inside each and positions restart at each (`models.documents`).
         """
+        mask = None
+        if documents is not None:
+            positions, mask = document_positions(documents), document_mask(documents)
         if self.wte is not None:
             if positions is None:
                 start = cache.length if cache is not None else 0
@@ -129,7 +143,7 @@ class GPT(nn.Module):
                 positions = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.drop(self.wte(x) + self.wpe(positions))
         for key, block in self.blocks.items():
-            x = block(x, cache=cache.layer(int(key)) if cache is not None else None)
+            x = block(x, cache=cache.layer(int(key)) if cache is not None else None, mask=mask)
         if self.lm_head is not None:
             x = self.lm_head(self.ln_f(x))
         return x

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralm.models.config import ModelConfig
+from paralm.models.documents import document_mask, document_positions, masked_attend
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.rope import head_dim, inverse_frequencies, rotary_tables, rotate
@@ -63,7 +64,11 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
@@ -75,7 +80,8 @@ class Attention(nn.Module):
             positions = torch.arange(start, start + seq, device=q.device)
         cos, sin = rotary_tables(positions, inverse_frequencies(self.config, q.device))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = self.attend(q, k, v, cache, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 
@@ -105,9 +111,13 @@ class Block(nn.Module):
         self.feed_forward = MoE(config, ffn_hidden(config), gated=True) if moe else FeedForward(config)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache)
+        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -148,18 +158,28 @@ class Llama(nn.Module):
             buffer.zero_()
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (batch, seq) to logits (batch, seq, vocab); on a stage without the embedding `x`
         is the previous stage's hidden states, on one without the head the hidden states are returned.
-        `positions` (seq,): the tokens' global positions (default: counted from the cache's length)."""
+        `positions` (seq,): the tokens' global positions (default: counted from the cache's length).
+        `documents` (batch, seq): packed documents' ids; attention stays inside each and positions
+        restart at each (`models.documents`)."""
+        mask = None
+        if documents is not None:
+            positions, mask = document_positions(documents), document_mask(documents)
         if self.tok_embeddings is not None:
             start = cache.length if cache is not None else 0
             if positions is None and start + x.shape[1] > self.config.block_size:
                 raise ValueError(f"{start + x.shape[1]} positions exceed block_size {self.config.block_size}")
             x = self.drop(self.tok_embeddings(x))
         for key, block in self.layers.items():
-            x = block(x, positions=positions, cache=cache.layer(int(key)) if cache is not None else None)
+            layer_cache = cache.layer(int(key)) if cache is not None else None
+            x = block(x, positions=positions, cache=layer_cache, mask=mask)
         if self.output is not None:
             x = self.output(self.norm(x))
         return x

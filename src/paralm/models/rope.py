@@ -49,9 +49,12 @@ def _llama3(inv_freq: torch.Tensor, c: ModelConfig) -> torch.Tensor:
 
 
 def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (seq, head_dim) of the rotation angles at `positions`, in fp32."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    """cos and sin (seq, head_dim) of the rotation angles at `positions` (seq,), in fp32; per sequence,
+    (batch, 1, seq, head_dim), for (batch, seq) positions (packed documents')."""
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
+    if angles.dim() == 3:
+        angles = angles[:, None]
     return angles.cos(), angles.sin()
 
 

@@ -57,9 +57,9 @@ class ParallelPlan:
             self.experts.reduce_gradients()
         return loss
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Mean loss of one batch; None on ranks that do not compute it (pipeline stages before the last)."""
-        return self.runner.eval_loss(x, y)
+        return self.runner.eval_loss(x, y, documents)
 
     def before_step(self, seed: int, step: int) -> None:
         """The straggler sleeps (if one is configured); dropout is reseeded from (seed, step, rank)

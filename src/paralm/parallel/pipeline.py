@@ -17,6 +17,9 @@ The gradient norm counts the copy once.
 Loss: the schedule's loss function is a pipeline micro-batch's mean cross-entropy divided by the
 number of micro-batches in the whole step (pipeline micro-batches x grad_accum), with
 `scale_grads=False`: gradients and the summed loss are then the batch mean, as in the trainer's loop.
+With a loss mask it is the micro-batch's summed loss over the trained targets per loss replica
+(`Batches.loss_tokens`), as in `PlainStep`. Document ids travel as a keyword the schedule splits
+along with the batch and hands every stage.
 
 Evaluation sends activations through the stages in order with plain send/recv (no schedule), so any
 batch size works.
@@ -45,7 +48,7 @@ from paralm.models.spec import ModelSpec, tied_parameters
 from paralm.parallel.precision import autocast
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
-from paralm.parallel.step import Batches, LossScale
+from paralm.parallel.step import Batches, LossScale, document_kwargs, loss_tokens
 from paralm.parallel.tensor import local_value, loss_context
 
 StageParallelizer = Callable[[nn.Module], nn.Module]
@@ -76,6 +79,7 @@ class Pipeline(nn.Module):
         self.pp_group = pp_mesh.get_group()
         self.microbatches = pipeline_microbatches(parallel)
         self._loss_divisor = self.microbatches
+        self._loss_tokens: float | None = None
         last = self.num_stages - 1
         self.has_first, self.has_last = 0 in stage_modules, last in stage_modules
         held = dict(self.named_parameters(remove_duplicate=False))
@@ -88,6 +92,8 @@ class Pipeline(nn.Module):
         self.schedule = _build_schedule(parallel.pp_schedule, self.stages, self.microbatches, self._loss)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._loss_tokens is not None:
+            return cross_entropy_loss(logits, targets, self._loss_tokens)
         return cross_entropy_loss(logits, targets) / self._loss_divisor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +104,9 @@ class Pipeline(nn.Module):
         last stage's ranks, 0 on the others. `scale` is not applied: the schedule calls backward
         itself, which is why fp16 (loss scaling) is refused with pipelines."""
         self._loss_divisor = self.microbatches * len(batches)
+        self._loss_tokens = loss_tokens(batches)
         total = torch.zeros((), device=batches[0][0].device)
-        for x, y in batches:
+        for x, y, *rest in batches:
             losses: list[torch.Tensor] = []
             with loss_context(self.tp):
                 self.schedule.step(
@@ -107,6 +114,7 @@ class Pipeline(nn.Module):
                     target=y if self.has_last else None,
                     losses=losses if self.has_last else None,
                     return_outputs=False,
+                    **document_kwargs(rest),
                 )
             for loss in losses:
                 total += local_value(loss.detach())
@@ -123,7 +131,7 @@ class Pipeline(nn.Module):
                 dist.all_reduce(grads[0], group=self.tied_group)
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Mean loss of one batch, passed through the stages in order; None off the last stage."""
         hidden = x
         for s, module in sorted(self.stage_modules.items()):
@@ -131,7 +139,7 @@ class Pipeline(nn.Module):
                 hidden = torch.empty(x.shape[0], x.shape[1] // self.seq_divisor, self.d_model, device=x.device)
                 dist.recv(hidden, group=self.pp_group, group_src=self.stage_to_rank[s - 1])
             with loss_context(self.tp):
-                hidden = module(hidden)
+                hidden = module(hidden, **document_kwargs([documents]))
                 if s == self.num_stages - 1:
                     return local_value(cross_entropy_loss(hidden, y))
             if s + 1 not in self.stage_modules:

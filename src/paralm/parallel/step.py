@@ -3,7 +3,7 @@ schedule instead: `paralm.parallel.pipeline.Pipeline` has the same two methods).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,14 +17,39 @@ from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.precision import autocast
 from paralm.parallel.tensor import local_value, loss_context
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+class Batches(list):
+    """This rank's micro-batches of one step, each (x, y) or (x, y, documents) (`documents`: which document
+    each input token belongs to, with `data.document_mask`). With a loss mask, `loss_tokens` is the
+    global batch's trained target count divided by the loss replicas: each micro-batch's summed loss
+    over it makes the replicas' averaged gradients those of the global batch's mean over its trained
+    tokens. None: each micro-batch's mean over the accumulation steps, as without a mask."""
+
+    def __init__(self, items: Iterable[tuple] = (), loss_tokens: float | None = None, trained: int | None = None):
+        super().__init__(items)
+        self.loss_tokens = loss_tokens
+        self.trained = trained  # trained targets in the global batch (for the metrics)
+
+
+def loss_tokens(batches: list) -> float | None:
+    """The masked loss's normaliser of these batches (a plain list has none)."""
+    return getattr(batches, "loss_tokens", None)
+
+
+def document_kwargs(rest: tuple | list) -> dict[str, torch.Tensor]:
+    """The model's `documents` keyword from what follows (x, y) in a micro-batch (nothing: none)."""
+    return {"documents": rest[0]} if rest and rest[0] is not None else {}
+
+
 LossScale = Callable[[torch.Tensor], torch.Tensor]  # multiplies the loss before backward (fp16 loss scaling)
 
 
 class StepRunner(Protocol):
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor: ...
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None: ...
+    def eval_loss(
+        self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -38,27 +63,33 @@ class PlainStep:
     shard: SequenceShard | None = None  # context parallelism: this rank's positions of every sequence
     sync_every_microstep: bool = False  # FSDP reduce-scatters every micro-step (`parallel.shard_grads_every_microstep`)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean loss of the batch, or of this rank's positions of it (with their global positions)."""
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor | None, tokens: float | None = None):
+        """Loss of the batch (`cross_entropy_loss`), or of this rank's positions of it (with their global
+        positions; document masks are refused with context parallelism)."""
         if self.shard is None:
-            return cross_entropy_loss(self.module(x), y)
+            return cross_entropy_loss(self.module(x, **document_kwargs(rest)), y, tokens)
         x, y, positions = self.shard(x, y)
-        return cross_entropy_loss(self.module(x, positions=positions), y)
+        return cross_entropy_loss(self.module(x, positions=positions), y, tokens)
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns this rank's mean loss over them."""
+        """Accumulate gradients over the micro-batches; returns this rank's share of the step's loss: its
+        mean over them, or with a loss mask its trained targets' loss over `loss_tokens`."""
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(batches):
+        tokens = loss_tokens(batches)
+        for i, (x, y, *rest) in enumerate(batches):
             last = i == len(batches) - 1
             with gradient_sync(self.module, last or self.sync_every_microstep), loss_context(self.tp):
                 with autocast(self.device, self.dtype):
-                    loss = self._loss(x, y) / len(batches)
+                    if tokens is None:
+                        loss = self._loss(x, y, *rest) / len(batches)
+                    else:
+                        loss = self._loss(x, y, *rest, tokens=tokens)
                     aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss
                 scale(loss if aux is None else loss + aux / len(batches)).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean loss of one batch."""
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean loss of one batch (over its trained targets, with a loss mask)."""
         with autocast(self.device, self.dtype), loss_context(self.tp):
-            return local_value(self._loss(x, y))
+            return local_value(self._loss(x, y, documents))

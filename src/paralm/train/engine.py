@@ -99,12 +99,20 @@ class StepEngine:
         return None if path is None else load_checkpoint(path, state, self.runtime.group)
 
     def micro_batches(self, start: int = 0) -> Batches:
-        """This rank's micro-batches of the batch whose first sample is `start`."""
-        size = self.layout.micro_batch_size
-        batches = []
+        """This rank's micro-batches of the batch whose first sample is `start` (with each token's document
+        under `data.document_mask`). With a loss mask every rank counts the whole global batch's trained
+        targets from the masks, so the loss is normalised before backward with no collective."""
+        size, seed, data = self.layout.micro_batch_size, self.config.train.seed, self.train_data
+        batches = Batches()
+        if data.has_loss_mask:
+            batches.trained = data.trained_tokens(seed, start, self.layout.global_batch)
+            replicas = self.runtime.dims.grad_replicas * self.config.sync.replica_groups
+            batches.loss_tokens = max(batches.trained, 1) / replicas
         for first in self.layout.micro_batch_starts(start, self.dp_rank):
-            x, y = self.train_data.sample(self.config.train.seed, first, size)
-            batches.append((to_device(x, self.device), to_device(y, self.device)))
+            batch = [*data.sample(seed, first, size)]
+            if self.config.data.document_mask:
+                batch.append(data.documents(seed, first, size))
+            batches.append(tuple(to_device(t, self.device) for t in batch))
         return batches
 
     def forward_backward(self, batches: Batches) -> torch.Tensor:
@@ -127,6 +135,7 @@ class StepEngine:
                 t.micro_batch_size,
                 t.seed,
                 self.device,
+                self.config.data.document_mask,
             )
         if len(losses) == 1:
             return {"val_loss": next(iter(losses.values()))}

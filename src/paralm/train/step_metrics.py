@@ -122,6 +122,9 @@ class StepMetrics:
             )
             host = pending.host | ({"skipped": True} if skipped else {})
             own = decode(named.pop("own_slowest"), named.pop("own_neg_fastest"), self.runtime.world_size)
+            trained = host.pop("trained_tokens", None)  # with a loss mask: the targets it trained on
+            if trained is not None:
+                host["trained_tokens_per_s"] = trained / seconds
             rows.append(
                 step_row(
                     pending.step,

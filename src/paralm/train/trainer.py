@@ -122,7 +122,8 @@ class Trainer:
         lr = learning_rate(self.step, self.config.train)
         set_learning_rate(self.optimizer, lr)
 
-        loss_sum = engine.forward_backward(self.observer.forward_begins(engine.micro_batches(self.samples_seen)))
+        batches = self.observer.forward_begins(engine.micro_batches(self.samples_seen))
+        loss_sum = engine.forward_backward(batches)
         engine.scaler.unscale_(self.optimizer)
         self.memory.after_backward()
         if not sync.after_backward():  # a replica group failed during the step
@@ -151,6 +152,7 @@ class Trainer:
             produced.get("moe"),
             lr=lr,
             samples_seen=self.samples_seen,
+            trained_tokens=batches.trained,
             **scaling,
             **sync.step_metrics(),
         )

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from paralm.data.sampler import sample_windows
-from paralm.data.shards import TokenDataset
+from paralm.data.shards import IGNORE, TokenDataset
 from paralm.parallel.runtime import Runtime
 
-BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]  # None where a rank computes no loss
+# (x, y, documents or None) -> mean loss over the trained targets; None where a rank computes no loss
+BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None]
 
 # Validation windows come from a stream of their own, so they never depend on training's progress.
 EVAL_SEED_OFFSET = 1_000_003
@@ -28,12 +29,13 @@ def validation_loss(
     micro_batch_size: int,
     seed: int,
     device: torch.device,
+    document_mask: bool = False,
 ) -> tuple[float, int]:
     """Mean loss over `samples` fixed windows and the number of tokens scored; `batch_loss` scores one
     batch (`ParallelPlan.eval_loss` in training), `model` is switched to evaluation mode meanwhile.
 
     The windows are split over data-parallel ranks and their loss sums added up, so the result is
-    the same for any number of ranks.
+    the same for any number of ranks. With a loss mask only the trained targets count, each alike.
     """
     windows = sample_windows(seed + EVAL_SEED_OFFSET, 0, samples, dataset.num_windows)
     if runtime is not None:
@@ -42,12 +44,15 @@ def validation_loss(
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     for start in range(0, len(windows), micro_batch_size):
-        x, y = (t.to(device) for t in dataset.batch(windows[start : start + micro_batch_size]))
-        loss = batch_loss(x, y)
+        chosen = windows[start : start + micro_batch_size]
+        x, y = dataset.batch(chosen)
+        documents = dataset.documents(chosen).to(device) if document_mask else None
+        scored = int((y != IGNORE).sum())
+        if scored == 0:  # a batch without a trained target (its mean would be NaN)
+            continue
+        loss = batch_loss(x.to(device), y.to(device), documents)
         if loss is not None:  # None on pipeline ranks without the last stage: they add nothing
-            total += torch.stack(
-                [loss.double() * y.numel(), torch.tensor(y.numel(), dtype=torch.float64, device=device)]
-            )
+            total += torch.stack([loss.double() * scored, torch.tensor(scored, dtype=torch.float64, device=device)])
     model.train(was_training)
     if runtime is not None:
         runtime.all_reduce(total)

@@ -1,0 +1,127 @@
+"""Conversations rendered with the tokenizer's own chat template, and the loss mask that trains on the
+assistant's turns only.
+
+The template (`chat_template` in the tokenizer folder's `tokenizer_config.json`) runs through Hugging
+Face transformers' template engine, so a conversation is tokenized exactly as the model will later be
+prompted. The mask is 1 on every token that overlaps an assistant turn (its content and end-of-turn
+token), 0 elsewhere. Templates with `{% generation %}` markers say where the turns are; for the others
+each turn's characters are found by rendering prefixes: the conversation before the turn (with the
+generation prompt) and up to its end. A token that straddles a turn's edge (a BPE merge across the
+template's text and the content) is trained on, as transformers marks it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from paralm.errors import UserError
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One conversation and where it was read (`file:line`), for error messages."""
+
+    where: str
+    messages: list[dict]
+
+
+def check_messages(messages: object, where: str, field: str) -> list[dict]:
+    """The messages of a row, or a user error naming the row and what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: {field!r} is not a non-empty list of messages: set --messages-field")
+    for number, message in enumerate(messages):
+        missing = [k for k in ("role", "content") if not isinstance(message, dict) or k not in message]
+        if missing:
+            raise UserError(
+                f"{where}: message {number} has no {' or '.join(map(repr, missing))}: "
+                'each message needs {"role": ..., "content": ...}'
+            )
+        if not isinstance(message["role"], str):
+            raise UserError(f"{where}: message {number}'s role is not a string: fix the row")
+    return messages
+
+
+class ChatRenderer:
+    """A tokenizer folder's chat template, tokenizing conversations with their loss masks."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.tokenizer = _load(directory)
+        template = self.tokenizer.chat_template
+        if not isinstance(template, str) or not template:
+            raise UserError(
+                f"--chat: the tokenizer {directory} has no chat template: add a `chat_template` to its "
+                "tokenizer_config.json, or prepare the text without --chat"
+            )
+        self.has_markers = bool(GENERATION_TAG.search(template))
+
+    def _render(self, messages: list[dict], where: str, **options: bool) -> object:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, **options)
+        except TemplateError as e:
+            raise UserError(
+                f"{where}: the chat template of {self.directory} rejects this conversation ({e}): fix the row"
+            ) from None
+
+    def encode(self, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and loss mask (1: an assistant token) of one conversation."""
+        if self.has_markers:
+            out = self._render(
+                chat.messages,
+                chat.where,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+            return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=np.uint8)
+        return self.encode_by_prefixes(chat)
+
+    def encode_by_prefixes(self, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
+        """The mask without markers: each assistant turn spans from the end of the conversation before
+        it (generation prompt included) to the end of the conversation up to it (less trailing
+        whitespace the template puts between turns); tokens overlapping a span are trained on."""
+        text = self._render(chat.messages, chat.where, tokenize=False)
+        spans = []
+        for i, message in enumerate(chat.messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(chat.messages[:i], chat.where, tokenize=False, add_generation_prompt=True)
+            upto = self._render(chat.messages[: i + 1], chat.where, tokenize=False)
+            if not (text.startswith(upto) and upto.startswith(before)):
+                raise UserError(
+                    f"{chat.where}: the chat template of {self.directory} renders a conversation's beginning "
+                    "differently from the whole: add {% generation %} markers around the assistant's turns"
+                )
+            spans.append((len(before), len(upto.rstrip())))
+        encoding = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int64), overlap_mask(encoding.offsets, spans)
+
+
+def overlap_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters overlap one of the (start, end) spans."""
+    edges = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(edges), dtype=bool)
+    for start, end in spans:
+        mask |= (edges[:, 0] < end) & (edges[:, 1] > start)
+    return mask.astype(np.uint8)
+
+
+def _load(directory: Path):
+    from transformers import AutoTokenizer
+
+    folder = directory if directory.is_dir() else directory.parent
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"--chat: cannot load the tokenizer folder {folder} ({reason}): pass a tokenizer folder"
+        ) from None
