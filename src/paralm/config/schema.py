@@ -63,7 +63,9 @@ class TrainConfig:
         0, "sequences per optimizer step; 0: micro_batch_size x grad_accum x dp, else grad_accum follows"
     )
     seed: int = option(1337, "seed for initialisation, data order and dropout")
-    optimizer: str = option("adamw", "optimizer", ("adamw", "sgd"))
+    optimizer: str = option(
+        "adamw", "optimizer; muon: Muon on the blocks' matrices, AdamW on the rest", ("adamw", "sgd", "muon")
+    )
     lr: float = option(1e-3, "peak learning rate")
     min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = option(20, "steps of linear warm-up from 0 to lr")
@@ -73,6 +75,8 @@ class TrainConfig:
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (not on biases, norms)")
     beta1: float = option(0.9, "AdamW beta1 (SGD is built without momentum)")
     beta2: float = option(0.95, "AdamW beta2")
+    muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum")
+    muon_ns_steps: int = option(5, "Muon's Newton-Schulz iterations per step")
     grad_clip: float = option(1.0, "max global gradient norm; 0 disables clipping")
     eval_every: int = option(100, "evaluate on the validation split every N steps; 0: only at the end")
     eval_samples: int = option(64, "validation sequences per evaluation")

@@ -58,11 +58,25 @@ def validate_sync(config: Config) -> None:
         )
     if s.fault_tolerant:
         check_fault_tolerant(config)
+    check_muon(config)
     if s.mode in ("local_sgd", "diloco") and config.checkpoint.every % s.local_steps:
         raise UserError(
             f"checkpoint.every = {config.checkpoint.every} must be a multiple of sync.local_steps = {s.local_steps}: "
             "replicas agree only right after an averaging"
         )
+
+
+def check_muon(config: Config) -> None:
+    """Muon's ranges; and the modes it is verified under: all-reduce data parallelism (DDP, ZeRO, TP, PP,
+    CP, EP). A parameter server steps its own optimizer; local SGD, DiLoCo and replica groups are untested."""
+    t, s = config.train, config.sync
+    if t.muon_ns_steps < 1:
+        raise UserError(f"train.muon_ns_steps = {t.muon_ns_steps} must be at least 1")
+    if not 0 <= t.muon_momentum < 1:
+        raise UserError(f"train.muon_momentum = {t.muon_momentum} must be in [0, 1)")
+    if t.optimizer == "muon" and (s.mode != "allreduce" or s.fault_tolerant):
+        mode = "sync.fault_tolerant" if s.mode == "allreduce" else f"sync.mode = {s.mode}"
+        raise UserError(f"train.optimizer = muon runs with sync.mode = allreduce only, not {mode}: use adamw there")
 
 
 def check_fault_tolerant(config: Config) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from paralm.config.schema import Config
 from paralm.errors import UserError
+from paralm.models.registry import model_spec
 from paralm.train.optim import build_optimizer
 
 
@@ -41,7 +42,7 @@ def fresh_optimizer_state(model: torch.nn.Module, config: Config) -> torch.optim
     step counters at 0, so the first fine-tuning step is the optimizer's first (AdamW's bias correction)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    optimizer = build_optimizer(model, config.train)
+    optimizer = build_optimizer(model, config.train, blocks=model_spec(config.model).blocks)
     get_optimizer_state_dict(model, optimizer)  # creates the state with one zero-learning-rate step
     for state in optimizer.state.values():
         if torch.is_tensor(state.get("step")):

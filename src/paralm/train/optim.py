@@ -7,12 +7,17 @@ import math
 import torch
 from torch import nn
 
-from paralm.config.schema import TrainConfig
+from paralm.config.schema import Config, TrainConfig
+from paralm.models.registry import model_spec
+from paralm.train.muon import build_muon, describe_split
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, train: TrainConfig, loss_scaling: bool = False, blocks: str = ""
+) -> torch.optim.Optimizer:
     """Decay matrices (linear and embedding weights), not biases or LayerNorm gains (as GPT-2/nanoGPT).
 
+    Muon steps the matrices of the submodule `blocks` (the family's `ModelSpec.blocks`), AdamW the rest.
     `loss_scaling` (fp16): not fused, because fused AdamW rejects the overflow flag that FSDP's
     `ShardedGradScaler` hands it (shape [1], not a scalar; torch 2.13)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -20,6 +25,8 @@ def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = F
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if train.optimizer == "muon":
+        return build_muon(model, train, blocks)
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=train.lr)
     return torch.optim.AdamW(
@@ -29,6 +36,16 @@ def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = F
         eps=1e-8,
         **({} if loss_scaling else _adamw_kernel(params)),
     )
+
+
+def build_configured(model: nn.Module, config: Config) -> torch.optim.Optimizer:
+    """`build_optimizer` as a run's `config` sets it: fp16's loss scaling, the family's blocks for Muon."""
+    return build_optimizer(model, config.train, config.precision.dtype == "fp16", model_spec(config.model).blocks)
+
+
+def optimizer_notes(optimizer: torch.optim.Optimizer, train: TrainConfig) -> list[str]:
+    """The optimizer's start-up lines: Muon's split of the tensors (`paralm.train.muon.describe_split`)."""
+    return [describe_split(optimizer)] if train.optimizer == "muon" else []
 
 
 def _adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:

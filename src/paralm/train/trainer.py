@@ -22,7 +22,7 @@ from paralm.train.interrupt import StopSignals, signal_name
 from paralm.train.loop_checkpoints import LoopCheckpoints
 from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
 from paralm.train.metrics import banner, open_run_log
-from paralm.train.optim import build_optimizer, learning_rate, set_learning_rate
+from paralm.train.optim import build_configured, learning_rate, optimizer_notes, set_learning_rate
 from paralm.train.step_metrics import StepMetrics
 
 
@@ -35,7 +35,7 @@ class Trainer:
         self.engine = engine = StepEngine(config, runtime)
         self.observer = observer or RunObserver(config, closed_by_fit=True)  # `paralm.job` gives the run's
         self.observer.attach(runtime, engine.module)
-        self.optimizer = engine.sync.prepare(build_optimizer(engine.model, t, config.precision.dtype == "fp16"))
+        self.optimizer = engine.sync.prepare(build_configured(engine.model, config))
         self.memory = ModelStateMeter(engine.model, self.optimizer)
         self.memory_prediction = predict(config, engine.model, runtime.dims.zero_stage, runtime.dims.shards)
         self.bad = BadSteps(config, runtime, engine.sync)
@@ -46,7 +46,8 @@ class Trainer:
         if runtime.is_main:
             self.logger = open_run_log(config, self.step)
             self.logger.message(banner(engine.describe(), self.step, t.steps))
-            for note in [*startup_notes(self.device, config.precision.dtype), *self.observer.notes]:
+            notes = [*startup_notes(self.device, config.precision.dtype), *self.observer.notes]
+            for note in [*notes, *optimizer_notes(self.optimizer, t)]:  # Muon's split of the tensors
                 self.logger.message(note)
             self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 

@@ -1,0 +1,200 @@
+"""Muon on the blocks' weight matrices, AdamW on the rest, as one optimizer.
+
+Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training") steps a matrix by the
+orthogonalised Nesterov momentum of its gradient. The math follows `torch.optim.Muon` exactly (its
+tests compare to 1e-6): the momentum buffer is an average, `buf <- lerp(buf, grad, 1 - mu)`, the
+Nesterov input `lerp(grad, buf, mu)`; five quintic Newton-Schulz iterations in bfloat16; decoupled
+weight decay `lr * wd`; the step is scaled by 0.2 * sqrt(max(rows, cols)) (torch's
+`adjust_lr_fn="match_rms_adamw"`) so its RMS is AdamW's and AdamW's learning-rate schedule and weight
+decay carry over.
+
+Orthogonalisation needs whole matrices: an orthogonalised row shard is not a shard of the
+orthogonalised matrix. Where a parameter is a DTensor split inside its matrix dimensions (ZeRO-1's
+shards, FSDP's, tensor parallelism's), each rank gathers the full Nesterov input, orthogonalises it
+and keeps the rows or columns it owns; the momentum buffer stays sharded like the parameter. Stacked
+expert weights [experts, out, in] are orthogonalised per expert; split by expert (expert parallelism,
+FSDP's dim 0) that is local. Every rank gathers and orthogonalises every matrix (redundant work, no
+second collective): simple, and exactly one process's result.
+
+One optimizer, not two, so the loop, ZeRO-1's wrapper (`type(optimizer)(groups, lr=...)`), checkpoints
+(`get_state_dict` keys each parameter's state by name) and `set_learning_rate` see a single one. It has
+no on-device skip flag: `paralm.sync.base.step_unless` reads a bad step's flag on the host first
+(a synchronisation, free on CPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.adam import adam
+
+from paralm.config.schema import TrainConfig
+
+# The quintic's coefficients (a, b, c) and the norm's floor, as Keller Jordan's Muon and torch.optim.Muon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+
+def orthogonalise(matrix: torch.Tensor, steps: int) -> torch.Tensor:
+    """About U V^T of `matrix` = U S V^T, in bfloat16: `steps` iterations of X <- aX + (bA + cA^2)X with
+    A = X X^T, from X = matrix / ||matrix||_F, on the wide orientation (A is the smaller Gram matrix).
+
+    FLOPs per iteration for X of m x n, m <= n: X X^T 2m^2n, A^2 2m^3, (bA + cA^2) X 2m^2n; so
+    `steps` * (4m^2n + 2m^3) in all (`paralm.plan.muon` prices it)."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.bfloat16()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _orthogonalise_stack(tensor: torch.Tensor, steps: int) -> torch.Tensor:
+    """`orthogonalise` on each matrix of the last two dimensions (one per expert), in the input's dtype."""
+    flat = tensor.reshape(-1, *tensor.shape[-2:])
+    return torch.stack([orthogonalise(m, steps) for m in flat]).reshape(tensor.shape).to(tensor.dtype)
+
+
+def orthogonal_update(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """The orthogonalised `update`, laid out as `update` is: a DTensor split inside its matrices is
+    gathered first and this rank keeps its part of the result; one split only by expert (or
+    replicated) is orthogonalised where it is."""
+    if not isinstance(update, DTensor):
+        return _orthogonalise_stack(update, steps)
+    matrix_dims = update.ndim - 2
+    if all(p.is_replicate() or (p.is_shard() and p.dim < matrix_dims) for p in update.placements):
+        local = _orthogonalise_stack(update.to_local(), steps)
+        mesh, placements = update.device_mesh, update.placements
+        return DTensor.from_local(local, mesh, placements, shape=update.shape, stride=update.stride())
+    full = _orthogonalise_stack(update.full_tensor(), steps)
+    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def adjusted_lr(lr: float, shape: torch.Size) -> float:
+    """Moonshot's rule (torch's `match_rms_adamw`): an orthogonal m x n matrix has RMS 1/sqrt(max(m, n)),
+    AdamW's steps about 0.2; for stacked experts, of one expert's matrix."""
+    return lr * 0.2 * math.sqrt(max(shape[-2], shape[-1]))
+
+
+class Muon(torch.optim.Optimizer):
+    """Groups with `use_muon` step their matrices by Muon, the others by AdamW (`betas`, `eps`)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        use_muon: bool = False,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            use_muon=use_muon,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            betas=betas,
+            eps=eps,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["use_muon"] and any(p.ndim < 2 for p in group["params"]):
+                raise ValueError("Muon steps matrices (or stacks of them): a parameter has fewer than 2 dimensions")
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["use_muon"]:
+                self._muon(group, params)
+            elif params:
+                self._adamw(group, params)
+
+    def _muon(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        lr, mu = group["lr"], group["momentum"]
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            step = orthogonal_update(update, group["ns_steps"]).to(p.dtype)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(step, alpha=-adjusted_lr(lr, p.shape))
+
+    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """torch's AdamW math, through its functional kernel (decoupled weight decay), state as its own."""
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+
+def muon_matrices(model: nn.Module, blocks: str) -> list[nn.Parameter]:
+    """The trainable parameters of the repeated blocks (the family's `ModelSpec.blocks`) with two or more
+    dimensions: the hidden weight matrices, and stacked experts. Embeddings, head, norms and biases are not."""
+    return [p for p in model.get_submodule(blocks).parameters() if p.requires_grad and p.ndim >= 2]
+
+
+def build_muon(model: nn.Module, train: TrainConfig, blocks: str) -> Muon:
+    """Muon on `muon_matrices`; AdamW with the configured betas on the rest, decaying only its matrices."""
+    matrices = {id(p) for p in muon_matrices(model, blocks)}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in matrices]
+    groups = [
+        {"params": [p for p in model.parameters() if id(p) in matrices], "use_muon": True},
+        {"params": [p for p in rest if p.ndim >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return Muon(
+        groups,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        momentum=train.muon_momentum,
+        ns_steps=train.muon_ns_steps,
+        betas=(train.beta1, train.beta2),
+    )
+
+
+def describe_split(optimizer: torch.optim.Optimizer) -> str:
+    """The start-up line: how many tensors each rule steps (on this rank's pipeline stages)."""
+    muon = sum(len(g["params"]) for g in optimizer.param_groups if g.get("use_muon"))
+    adamw = sum(len(g["params"]) for g in optimizer.param_groups if not g.get("use_muon"))
+    steps, momentum = optimizer.defaults["ns_steps"], optimizer.defaults["momentum"]
+    return (
+        f"optimizer: muon on {muon} tensors (Newton-Schulz {steps} steps, momentum {momentum:g}, "
+        f"lr x 0.2 sqrt(max(rows, cols))), adamw on {adamw} tensors"
+    )
