@@ -73,6 +73,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.cluster import parse_cluster
     from paralm.plan.moe import moe_summary
+    from paralm.plan.muon import muon_summary
     from paralm.plan.report import plans_table, summary
     from paralm.plan.request import load_request
     from paralm.plan.search import search
@@ -107,6 +108,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     print(error_line())
     if experts := moe_summary(work.shape, work, cluster):
         print(experts)
+    if muon := muon_summary(work, cluster):
+        print(muon)
     print(f"{len(plans)} layouts fit (of each, the largest micro-batch that fits); the fastest {len(shown)}:")
     print(plans_table(shown))
     if args.write_config:

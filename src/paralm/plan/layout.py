@@ -19,6 +19,7 @@ from paralm.config.schema import Config
 from paralm.models.registry import model_shape
 from paralm.models.shape import ModelShape
 from paralm.parallel.split import stage_split
+from paralm.plan.muon import optimizer_slots
 from paralm.plan.schedules import SCHEDULES, Schedule
 
 
@@ -30,7 +31,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     dtype: str  # compute dtype
     reduce_dtype: str  # dtype gradients travel in
-    optimizer_slots: int  # fp32 tensors the optimizer keeps per parameter: AdamW 2, SGD 0 (no momentum)
+    optimizer_slots: float  # fp32 tensors the optimizer keeps per parameter: AdamW 2, SGD 0, Muon 1 to 2
     dropout: bool
     recipe: str  # how model states are stored: see `memory.STATE_RECIPES`
     bucket_bytes: float  # DDP gradient bucket
@@ -52,13 +53,15 @@ class Workload:
     # The fused attention kernel (`Cluster.attention_efficiency`): flash2 is what torch's
     # scaled_dot_product_attention runs on GPUs, paralm's; cudnn Transformer Engine's (Megatron).
     attention_kernel: str = "flash2"
+    muon_ns_steps: int = 0  # train.optimizer = "muon": its Newton-Schulz steps (`paralm.plan.muon`); 0 without
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
         # paralm's SGD has no momentum buffer (torch.optim.SGD without momentum), AdamW two.
-        slots = 2 if config.train.optimizer == "adamw" else 0
+        shape, muon = model_shape(config.model), config.train.optimizer == "muon"
+        slots = optimizer_slots(shape) if muon else 2 if config.train.optimizer == "adamw" else 0
         return cls(
-            model_shape(config.model),
+            shape,
             global_batch,
             config.precision.dtype,
             config.precision.reduce_dtype,
@@ -74,6 +77,7 @@ class Workload:
             config.parallel.shard_grads_every_microstep,
             config.precision.float8,
             config.train.compile,
+            muon_ns_steps=config.train.muon_ns_steps if muon else 0,
         )
 
     @property

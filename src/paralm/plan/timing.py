@@ -40,6 +40,7 @@ from paralm.plan.cluster import Cluster, Link
 from paralm.plan.context import context_parallel_times
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
 from paralm.plan.memory import STATE_RECIPES, rank_params
+from paralm.plan.muon import muon_seconds
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,7 @@ def _embedding_sync(layout: Layout, work: Workload, cluster: Cluster) -> float:
     return comm.all_reduce(grads, 2, cluster.link(*group_strides(layout)["pp"]))
 
 
-def optimizer_bytes_per_param(dtype: str, recipe: str, optimizer_slots: int) -> int:
+def optimizer_bytes_per_param(dtype: str, recipe: str, optimizer_slots: float) -> float:
     """Bytes an optimizer step moves per parameter: it reads the gradients twice (clipping's norm,
     then the update), the master weights (or the fp32 parameters) and the optimizer slots, and writes
     the slots, the master weights and the parameters."""
@@ -293,4 +294,5 @@ def _optimizer(layout: Layout, work: Workload, cluster: Cluster, params: float) 
         elements = params / (layout.shards if layout.zero >= 1 else 1)
     return (
         elements * optimizer_bytes_per_param(work.dtype, work.recipe, work.optimizer_slots) / cluster.memory_bandwidth
+        + muon_seconds(layout, work, cluster)  # Muon's gathers and Newton-Schulz (`paralm.plan.muon`)
     )
