@@ -8,7 +8,8 @@ from paralm.models.config import ModelConfig
 from paralm.models.registry import model_shape, model_spec
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
-from paralm.plan.muon import muon_gather_bytes, muon_params, muon_seconds, newton_schulz_flops, optimizer_slots
+from paralm.plan.muon import muon_gather_bytes, muon_seconds
+from paralm.plan.muon_counts import muon_params, newton_schulz_flops, optimizer_slots
 from paralm.plan.timing import step_time
 from paralm.train.muon import muon_matrices
 from tests.plan.helpers import layout

@@ -19,7 +19,7 @@ from paralm.config.schema import Config
 from paralm.models.registry import model_shape
 from paralm.models.shape import ModelShape
 from paralm.parallel.split import stage_split
-from paralm.plan.muon import optimizer_slots
+from paralm.plan.muon_counts import optimizer_slots
 from paralm.plan.schedules import SCHEDULES, Schedule
 
 

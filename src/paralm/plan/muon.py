@@ -13,43 +13,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from paralm.models.shape import ModelShape
 from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster
-
-if TYPE_CHECKING:
-    from paralm.plan.layout import Layout, Workload
+from paralm.plan.layout import Layout, Workload, group_strides
+from paralm.plan.muon_counts import muon_matrices, muon_params, newton_schulz_flops, optimizer_slots
 
 GiB = 2**30
-
-
-def muon_matrices(shape: ModelShape) -> tuple[tuple[int, int, int], ...]:
-    """(rows, columns, how many) of every matrix Muon steps: the blocks' weights, router and experts."""
-    dense = [(r, c, k * shape.n_layer) for r, c, k in shape.layer_matrices]
-    moe = shape.moe
-    if moe is None:
-        return tuple(dense)
-    replaced = {(r, c): k * moe.layers for r, c, k in moe.dense_ffn_matrices}
-    dense = [(r, c, k - replaced.get((r, c), 0)) for r, c, k in dense]
-    experts = [(r, c, k * (moe.experts + moe.shared) * moe.layers) for r, c, k in moe.expert_matrices]
-    router = (moe.router_params // shape.d_model, shape.d_model, moe.layers)
-    return tuple(m for m in (*dense, *experts, router) if m[2] > 0)
-
-
-def muon_params(shape: ModelShape) -> int:
-    return sum(r * c * k for r, c, k in muon_matrices(shape))
-
-
-def optimizer_slots(shape: ModelShape) -> float:
-    """fp32 tensors per parameter: 1 on Muon's matrices, 2 (AdamW's moments) on the rest."""
-    return 2 - muon_params(shape) / shape.params
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def _newton_schulz_seconds(shape: ModelShape, steps: int, cluster: Cluster, share: float) -> float:
@@ -73,8 +43,6 @@ def muon_seconds(layout: Layout, work: Workload, cluster: Cluster) -> float:
     """Seconds per step Muon adds on the busiest pipeline rank: its gathers (not overlapped) and Newton-Schulz."""
     if not work.muon_ns_steps:
         return 0.0
-    from paralm.plan.layout import group_strides  # layout imports this module for the optimizer slots
-
     shape = work.shape
     share = max(r.layers for r in layout.critical_ranks(shape)) / shape.n_layer
     nbytes, groups = muon_gather_bytes(shape, layout, share), group_strides(layout)

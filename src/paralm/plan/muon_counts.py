@@ -1,0 +1,33 @@
+"""Muon's counts from a model's shape (`paralm.plan.muon` prices them): the matrices it steps, their
+parameters, the optimizer state slots per parameter, the Newton-Schulz FLOPs of one matrix."""
+
+from __future__ import annotations
+
+from paralm.models.shape import ModelShape
+
+
+def muon_matrices(shape: ModelShape) -> tuple[tuple[int, int, int], ...]:
+    """(rows, columns, how many) of every matrix Muon steps: the blocks' weights, router and experts."""
+    dense = [(r, c, k * shape.n_layer) for r, c, k in shape.layer_matrices]
+    moe = shape.moe
+    if moe is None:
+        return tuple(dense)
+    replaced = {(r, c): k * moe.layers for r, c, k in moe.dense_ffn_matrices}
+    dense = [(r, c, k - replaced.get((r, c), 0)) for r, c, k in dense]
+    experts = [(r, c, k * (moe.experts + moe.shared) * moe.layers) for r, c, k in moe.expert_matrices]
+    router = (moe.router_params // shape.d_model, shape.d_model, moe.layers)
+    return tuple(m for m in (*dense, *experts, router) if m[2] > 0)
+
+
+def muon_params(shape: ModelShape) -> int:
+    return sum(r * c * k for r, c, k in muon_matrices(shape))
+
+
+def optimizer_slots(shape: ModelShape) -> float:
+    """fp32 tensors per parameter: 1 on Muon's matrices, 2 (AdamW's moments) on the rest."""
+    return 2 - muon_params(shape) / shape.params
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m**3)
