@@ -43,3 +43,18 @@ def test_one_process_holds_what_the_formula_says(tmp_path, capsys):
     assert row["param_bytes"] == row["grad_bytes"]  # fp32 weights and their gradients
     assert row["optim_bytes"] == pytest.approx(2 * row["param_bytes"], rel=1e-3)  # AdamW moments (+ step counters)
     assert "(1.00 x predicted)" in capsys.readouterr().err
+
+
+def test_muon_keeps_one_slot_on_its_matrices_and_two_on_the_rest():
+    """A share f of the parameters with one fp32 momentum buffer, the rest with AdamW's two moments."""
+    assert ZeroPrediction(0, 1, PSI, StateBytes.of("fp32", "muon", 0.75)).formula == "13Ψ"  # 8 + 4 (2 - 0.75)
+    assert ZeroPrediction(1, N, PSI, StateBytes.of("bf16", "muon", 0.5)).formula == "4Ψ + 10Ψ/N"  # 4 + 4 + 4 (1.5)
+    assert StateBytes.of("fp32", "muon", 0.0) == StateBytes.of("fp32", "adamw")
+
+
+def test_one_process_with_muon_holds_what_the_formula_says(tmp_path, capsys):
+    config = tiny_config(tmp_path, train={"steps": 1, "optimizer": "muon"})
+    train(config)
+    row = read_metrics(config.run.dir)[0]
+    assert row["param_bytes"] < row["optim_bytes"] < 2 * row["param_bytes"]  # one buffer on the matrices, two else
+    assert "(1.00 x predicted)" in capsys.readouterr().err

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from paralm.config.rules import validate
 from paralm.config.schema import Config
 from paralm.errors import UserError
-from paralm.config.rules import validate
 from paralm.models.moe import GroupedExperts
 from paralm.models.registry import model_spec
 from paralm.train.muon import Muon, build_muon, describe_split, muon_matrices, orthogonalise

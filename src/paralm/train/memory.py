@@ -9,6 +9,8 @@ stage 2 also the gradients, stage 3 also the parameters:
     fp32, Adam (4 + 4, K = 8: no separate master copy):
                             ZeRO-0 16Ψ,  ZeRO-1 8Ψ + 8Ψ/N,   ZeRO-2 4Ψ + 12Ψ/N,  ZeRO-3 16Ψ/N
     SGD (no momentum): K = 0 in fp32, K = 4 (the master copy) in mixed precision.
+    Muon (`paralm.train.muon`): one fp32 momentum buffer on its matrices (a share f of Ψ), AdamW's
+    two moments on the rest: K = 4(2 - f) in fp32, 4 + 4(2 - f) in mixed precision.
 
 What is counted (unique tensors, a DTensor by its local shard):
 - parameters: after each training forward, those the module holds (gathered by FSDP where it keeps
@@ -35,6 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from paralm.config.schema import Config
 from paralm.config.zero import is_sharded, per_rank
+from paralm.models.registry import model_spec
+from paralm.train.muon import muon_matrices
 
 MiB = 2**20
 
@@ -43,15 +47,17 @@ MiB = 2**20
 class StateBytes:
     """Bytes per parameter of each part of the model state, in the paper's accounting."""
 
-    params: int
-    grads: int
-    optim: int
+    params: float
+    grads: float
+    optim: float
 
     @classmethod
-    def of(cls, dtype: str, optimizer: str) -> StateBytes:
+    def of(cls, dtype: str, optimizer: str, muon_share: float = 0.0) -> StateBytes:
+        """`muon_share`: the share of the parameters Muon steps (`optimizer` muon), one fp32 slot each."""
+        slots = {"adamw": 2.0, "sgd": 0.0, "muon": 2.0 - muon_share}[optimizer]
         if dtype == "fp32":
-            return cls(4, 4, 8 if optimizer == "adamw" else 0)
-        return cls(2, 2, 12 if optimizer == "adamw" else 4)
+            return cls(4, 4, 4 * slots)
+        return cls(2, 2, 4 + 4 * slots)  # + the fp32 master copy
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,8 @@ class ZeroPrediction:
     @property
     def formula(self) -> str:
         replicated, sharded = self._split()
-        terms = [f"{replicated}Ψ"] if replicated else []
-        terms += [f"{sharded}Ψ/N"] if sharded else []
+        terms = [f"{replicated:.3g}Ψ"] if replicated else []
+        terms += [f"{sharded:.3g}Ψ/N"] if sharded else []
         return " + ".join(terms) or "0"
 
 
@@ -88,7 +94,12 @@ def predict(config: Config, model: nn.Module, stage: int, shards: int) -> ZeroPr
     """The prediction for the ZeRO `stage` in effect over `shards` data-parallel shards, Ψ being the
     parameters of this rank's model-parallel part (its pipeline stages, its tensor-parallel shards)."""
     num_params = sum(_tensor_parallel_numel(p) for p in model.parameters())
-    return ZeroPrediction(stage, shards, num_params, StateBytes.of(config.precision.dtype, config.train.optimizer))
+    muon_share = 0.0
+    if config.train.optimizer == "muon" and num_params:
+        matrices = muon_matrices(model, model_spec(config.model).blocks)
+        muon_share = sum(_tensor_parallel_numel(p) for p in matrices) / num_params
+    per_param = StateBytes.of(config.precision.dtype, config.train.optimizer, muon_share)
+    return ZeroPrediction(stage, shards, num_params, per_param)
 
 
 def _tensor_parallel_numel(param: torch.Tensor) -> int:
