@@ -9,6 +9,7 @@ from torch import nn
 
 from paralm.config.schema import Config, TrainConfig
 from paralm.models.registry import model_spec
+from paralm.train.memory import ZeroPrediction, describe_prediction
 from paralm.train.muon import build_muon, describe_split
 
 
@@ -43,9 +44,12 @@ def build_configured(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     return build_optimizer(model, config.train, config.precision.dtype == "fp16", model_spec(config.model).blocks)
 
 
-def optimizer_notes(optimizer: torch.optim.Optimizer, train: TrainConfig) -> list[str]:
-    """The optimizer's start-up lines: Muon's split of the tensors (`paralm.train.muon.describe_split`)."""
-    return [describe_split(optimizer)] if train.optimizer == "muon" else []
+def optimizer_notes(optimizer: torch.optim.Optimizer, config: Config, prediction: ZeroPrediction) -> list[str]:
+    """The optimizer's start-up lines: the model state predicted for it (`paralm.train.memory`), and for Muon
+    how many tensors it steps and how many AdamW (`paralm.train.muon.describe_split`)."""
+    t = config.train
+    lines = [describe_prediction(prediction, config.precision.dtype, t.optimizer)]
+    return lines + ([describe_split(optimizer)] if t.optimizer == "muon" else [])
 
 
 def _adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:

@@ -20,7 +20,7 @@ from paralm.train.bad_steps import BadSteps
 from paralm.train.engine import StepEngine
 from paralm.train.interrupt import StopSignals, signal_name
 from paralm.train.loop_checkpoints import LoopCheckpoints
-from paralm.train.memory import ModelStateMeter, describe_measured, describe_prediction, predict
+from paralm.train.memory import ModelStateMeter, describe_measured, predict
 from paralm.train.metrics import banner, open_run_log
 from paralm.train.optim import build_configured, learning_rate, optimizer_notes, set_learning_rate
 from paralm.train.step_metrics import StepMetrics
@@ -47,9 +47,8 @@ class Trainer:
             self.logger = open_run_log(config, self.step)
             self.logger.message(banner(engine.describe(), self.step, t.steps))
             notes = [*startup_notes(self.device, config.precision.dtype), *self.observer.notes]
-            for note in [*notes, *optimizer_notes(self.optimizer, t)]:  # Muon's split of the tensors
+            for note in [*notes, *optimizer_notes(self.optimizer, config, self.memory_prediction)]:
                 self.logger.message(note)
-            self.logger.message(describe_prediction(self.memory_prediction, config.precision.dtype, t.optimizer))
 
     def fit(self) -> None:
         # SIGINT/SIGTERM: stop after a step all agree on
