@@ -1,6 +1,7 @@
 """Shared by the planner tests: a layout with every field defaulted, and a 7.5B-parameter model."""
 
 from paralm.plan.layout import Layout
+from paralm.plan.validate import LAYOUT_DEFAULTS
 
 # The ZeRO paper's worked example: Psi = 12 * 36 * 4096^2 + 51200 * 4096, about 7.5B parameters.
 MODEL_7B = [
@@ -16,18 +17,4 @@ MODEL_7B = [
 
 def layout(**fields) -> Layout:
     """One device, no parallelism, micro-batch 1, unless `fields` say otherwise."""
-    defaults = dict(
-        dp_replicate=1,
-        dp_shard=1,
-        zero=0,
-        tp=1,
-        sequence_parallel=False,
-        pp=1,
-        pp_schedule="1f1b",
-        pp_microbatches=1,
-        pp_virtual_stages=1,
-        micro_batch_size=1,
-        grad_accum=1,
-        activation_checkpointing="none",
-    )
-    return Layout(**(defaults | fields))
+    return Layout(**(LAYOUT_DEFAULTS | fields))

@@ -19,6 +19,7 @@ from paralm.plan.report import table
 from paralm.plan.request import load_request
 from paralm.plan.search import evaluate
 
+# A layout's fields where a published run (or a planner test) leaves them unsaid: one device, no parallelism.
 LAYOUT_DEFAULTS: dict[str, object] = dict(
     dp_replicate=1,
     dp_shard=1,
