@@ -13,6 +13,9 @@ from paralm.config.schema import TrainConfig
 def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = False) -> torch.optim.Optimizer:
     """Decay matrices (linear and embedding weights), not biases or LayerNorm gains (as GPT-2/nanoGPT).
 
+    Only parameters that train (LoRA freezes the base), and no empty group: DCP's flattened optimizer state
+    cannot name a group without parameters (all of LoRA's adapters are matrices).
+
     `loss_scaling` (fp16): not fused, because fused AdamW rejects the overflow flag that FSDP's
     `ShardedGradScaler` hands it (shape [1], not a scalar; torch 2.13)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -20,6 +23,7 @@ def build_optimizer(model: nn.Module, train: TrainConfig, loss_scaling: bool = F
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    groups = [group for group in groups if group["params"]]
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=train.lr)
     return torch.optim.AdamW(
