@@ -1,5 +1,5 @@
 """LoRA (`train.lora_rank`): step 0 is the base model, only the adapters train (the base holds no gradient and
-no optimizer state), a resume continues exactly, 2-rank DDP matches one process, and the merged model (what
+no optimizer state), a resume continues exactly, 2-rank DDP and ZeRO-3 match one process, and the merged model (what
 export, eval and generate read) gives the adapted model's logits.
 
 Tolerances: the merged weight W + s B A rounds differently from W x + s B (A x): 1e-5 on logits of order 1.
@@ -50,7 +50,7 @@ def test_step_0_is_the_base_model_and_merging_keeps_the_logits():
     adapted = copy.deepcopy(plain)
     apply_lora(adapted, spec, config.train, announce=False)
     ids = torch.randint(0, config.model.vocab_size, (2, 16))
-    assert sum(isinstance(m, LoRALinear) for m in adapted.modules()) == 6 * config.model.n_layer  # wq, wk, wv, wo, fc, proj
+    assert sum(isinstance(m, LoRALinear) for m in adapted.modules()) == 6 * config.model.n_layer  # wq..wo, fc, proj
     assert torch.equal(adapted(ids), plain(ids))  # B = 0: the adapters add exactly nothing
     with torch.no_grad():
         for module in adapted.modules():
@@ -132,9 +132,16 @@ def _train(config):
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_match_one_process(base, tmp_path):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_two_ranks_match_one_process(base, tmp_path, zero):
+    """DDP, and ZeRO-3 (FSDP2 groups holding frozen weights and trainable adapters alike)."""
     single = _lora(tmp_path / "single", base)
-    ranks = _lora(tmp_path / "ranks", base, micro_batch_size=2)
+    ranks = tiny_config(
+        tmp_path / "ranks",
+        train={"steps": 3, "lr": 1e-2, "micro_batch_size": 2, **LORA},
+        checkpoint={"init_from": str(base)},
+        parallel={"zero": zero},
+    )
     train(single)
     run_ranks(_train, 2, tmp_path, ranks)
     assert max(abs(a - b) for a, b in zip(_losses(single.run.dir), _losses(ranks.run.dir), strict=True)) < 1e-5
