@@ -16,6 +16,7 @@ from pathlib import Path
 
 from paralm.config.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.config.dims import ParallelDims
+from paralm.config.lora_rules import check_lora
 from paralm.config.mixture import parse_mixture
 from paralm.config.moe_rules import check_moe_layout
 from paralm.config.schedules import PIPELINE_SCHEDULES
@@ -64,6 +65,7 @@ def validate(config: Config) -> None:
     model_spec(m).check(m)  # an unknown family, or a shape the family cannot build
     check_moe(m)
     check_moe_layout(config)
+    check_lora(config)
     if not 0 < config.data.val_fraction < 1:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
     if config.data.mixture:

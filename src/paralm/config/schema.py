@@ -90,6 +90,12 @@ class TrainConfig:
         "quantization-aware training: fake-quantize as this `paralm quantize` scheme will",
         ("none", "int8-dynamic", "int8-dynamic-int4-weight"),
     )
+    lora_rank: int = option(0, "LoRA adapters of this rank on the blocks' linear layers, the rest frozen; 0: off")
+    lora_alpha: float = option(16.0, "LoRA scale numerator: adapters add (lora_alpha / lora_rank) x B A x")
+    lora_targets: list[str] = option(
+        [], "LoRA: the spec's branches or layers to adapt (e.g. attention, wq, w2); empty: every linear layer"
+    )
+    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input (the frozen path sees x unchanged)")
     max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
 
 

@@ -2,7 +2,7 @@
 strategy sees it, so tensor, pipeline and data parallelism shard the new layers as they would the old.
 
 A converter is on when the config asks for it; `apply_converters` runs those that are, in this order,
-on the whole model or on each pipeline stage. A new module swap (LoRA) is one more entry here.
+on the whole model or on each pipeline stage.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 from paralm.config.schema import Config
 from paralm.convert.float8 import apply_float8
+from paralm.convert.lora import apply_lora
 from paralm.convert.qat import apply_qat
 from paralm.models.spec import ModelSpec
 
@@ -26,6 +27,10 @@ class Converter:
 
 
 CONVERTERS: dict[str, Converter] = {
+    "lora": Converter(
+        enabled=lambda config: config.train.lora_rank > 0,
+        apply=lambda model, spec, config, device: apply_lora(model, spec, config.train),
+    ),
     "qat": Converter(
         enabled=lambda config: config.train.qat != "none",
         apply=lambda model, spec, config, device: apply_qat(model, spec, config.train.qat),

@@ -10,6 +10,7 @@ from torch import nn
 
 from paralm.config.load import load_config
 from paralm.config.schema import CONFIG_FILE, Config
+from paralm.convert.lora import apply_lora, merge_lora
 from paralm.data.prepare import dataset_dir
 from paralm.errors import UserError
 from paralm.models.registry import model_spec
@@ -50,7 +51,11 @@ def load_trained_model(
     config = load_config(path / CONFIG_FILE, overrides)
     check_compatible(path, config.model)  # an override may not change the model (its family, its shape)
     device = select_device(0)
-    model = model_spec(config.model).build(config.model).to(device)
+    spec = model_spec(config.model)
+    model = spec.build(config.model).to(device)
+    if config.train.lora_rank:  # read as trained, then the adapters folded in: a plain model, the same logits
+        apply_lora(model, spec, config.train, announce=False)
     load_checkpoint(path, model)
+    merge_lora(model)
     model.eval()
     return TrainedModel(config, model, path, dataset_dir(config.data), device)

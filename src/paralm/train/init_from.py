@@ -7,6 +7,7 @@ From an HF folder, DCP loads a state dict keyed by the folder's tensor names (th
 casts them to the parameters' dtype. A family whose mapping fuses, splits or transposes tensors (GPT-2, MoE
 experts) has no pairs: each rank reads the whole folder, maps it, and keeps its shards. From a paralm
 run, DCP reads the model half of its checkpoint, whatever layout wrote it; the optimizer starts fresh.
+Either way only the base is read: LoRA adapters (`paralm.convert.lora`) keep their fresh initial values.
 Once the run has a checkpoint of its own, that wins (`checkpoint_to_resume`), said in one line.
 """
 
@@ -22,9 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from paralm.config.init_model import FREE
 from paralm.config.schema import Config
+from paralm.convert.lora import is_adapter
 from paralm.errors import UserError
 from paralm.models.hf_folder import CONFIG_FILE, HFFolder, is_hf_folder, load_tensors, read_folder
 from paralm.models.registry import hf_spec, model_spec
@@ -55,7 +58,20 @@ def load_init(source: str, model: nn.Module, config: Config, group: dist.Process
     if checkpoint is None:
         raise UserError(f"checkpoint.init_from = {source} has no complete checkpoint: train it first")
     check_compatible(checkpoint, config.model)
-    load_checkpoint(checkpoint, model, group)
+    load_checkpoint(checkpoint, _BaseWeights(model), group)
+
+
+class _BaseWeights(Stateful):
+    """A model's parameters less its LoRA adapters: what another run's checkpoint gives a new run."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"model": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
 
 
 def _check_model(folder: HFFolder, config: Config) -> None:
@@ -73,11 +89,12 @@ def _check_model(folder: HFFolder, config: Config) -> None:
 def _load_hf(folder: HFFolder, model: nn.Module, config: Config, group: dist.ProcessGroup | None) -> None:
     _check_model(folder, config)
     spec = model_spec(config.model)
-    state = get_model_state_dict(model)  # this rank's parameters, by their unsharded names
+    state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}  # by unsharded names
     pairs = spec.hf.names(config.model)
     if pairs is None:
         whole = spec.hf.from_hf(load_tensors(folder), config.model, folder.source)
-        set_model_state_dict(model, {k: whole[k] for k in state}, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True, strict=False)  # adapters keep their fresh values
+        set_model_state_dict(model, {k: whole[k] for k in state}, options=options)
         return
     target = {theirs: state[ours] for ours, theirs in pairs if ours in state}
     if config.model.tie_embeddings:  # a last pipeline stage's copy of the tied embedding reads the embedding
@@ -97,4 +114,4 @@ def _load_hf(folder: HFFolder, model: nn.Module, config: Config, group: dist.Pro
         rank, (error, _) = next(iter(sorted(e.failures.items())))
         raise UserError(f"{folder.path} cannot be read (rank {rank}: {str(error).splitlines()[0][:200]})") from None
     with torch.no_grad():
-        set_model_state_dict(model, state)
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))

@@ -19,6 +19,9 @@ def build_optimizer(
     """Decay matrices (linear and embedding weights), not biases or LayerNorm gains (as GPT-2/nanoGPT).
 
     Muon steps the matrices of the submodule `blocks` (the family's `ModelSpec.blocks`), AdamW the rest.
+    Only parameters that train (LoRA freezes the base), and no empty group: DCP's flattened optimizer state
+    cannot name a group without parameters (all of LoRA's adapters are matrices).
+
     `loss_scaling` (fp16): not fused, because fused AdamW rejects the overflow flag that FSDP's
     `ShardedGradScaler` hands it (shape [1], not a scalar; torch 2.13)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -28,6 +31,7 @@ def build_optimizer(
     ]
     if train.optimizer == "muon":
         return build_muon(model, train, blocks)
+    groups = [group for group in groups if group["params"]]
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=train.lr)
     return torch.optim.AdamW(
