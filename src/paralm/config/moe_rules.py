@@ -19,9 +19,6 @@ def check_moe_layout(config: Config) -> None:
     if m.moe_experts % p.ep:
         raise UserError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}")
     refused = {
-        "parallel.tp > 1": p.tp > 1,
-        "parallel.pp > 1": p.pp > 1,
-        "train.activation_checkpointing": config.train.activation_checkpointing != "none",
         "parallel.cp > 1": p.cp > 1,
         "sync.fault_tolerant": config.sync.fault_tolerant,
         # experts are weight tensors, not the linear layers torchao swaps (`paralm.convert.layers`)
