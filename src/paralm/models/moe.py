@@ -251,7 +251,11 @@ def balance_figures(summed: list[float], replicas: int, experts: int) -> dict[st
     the balance loss (mean), dropped tokens, and the worst layer's max/mean tokens per expert."""
     loads = torch.tensor(summed[2:]).view(-1, experts)
     imbalance = (loads.amax(1) / loads.mean(1).clamp(min=1e-9)).max().item()
-    return {"moe_aux_loss": summed[0] / replicas / loads.shape[0], "moe_dropped_tokens": int(summed[1]), "moe_load_imbalance": imbalance}
+    return {
+        "moe_aux_loss": summed[0] / replicas / loads.shape[0],  # the mean over the layers
+        "moe_dropped_tokens": int(summed[1]),
+        "moe_load_imbalance": imbalance,
+    }
 
 
 @torch.no_grad()

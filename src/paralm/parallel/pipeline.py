@@ -20,8 +20,8 @@ number of micro-batches in the whole step (pipeline micro-batches x grad_accum),
 With a loss mask it is the micro-batch's summed loss over the trained targets per loss replica
 (`Batches.loss_tokens`), as in `PlainStep`. An MoE stage's auxiliary loss never leaves its rank: the
 stage's output carries it into backward (`carry_auxiliary_loss`), weighted as `PlainStep` weighs it
-(1 / the step's micro-batches), so each stage's MoE layers get the gradient one process gives them. Document ids travel as a keyword the schedule splits
-along with the batch and hands every stage.
+(1 / the step's micro-batches), so each stage's MoE layers get the gradient one process gives them.
+Document ids travel as a keyword the schedule splits along with the batch and hands every stage.
 
 Evaluation sends activations through the stages in order with plain send/recv (no schedule), so any
 batch size works.
