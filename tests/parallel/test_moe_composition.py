@@ -8,7 +8,14 @@ recomputed block counting its routing again would double the dropped tokens.
 """
 
 import pytest
+import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
+from paralm.config.schema import TrainConfig
+from paralm.models.config import ModelConfig
+from paralm.models.gpt2 import GPT
+from paralm.models.moe import moe_layers, pop_auxiliary_loss
+from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
@@ -51,3 +58,18 @@ def test_moe_layout_matches_one_process(name, tmp_path):
         assert row["moe_dropped_tokens"] == ref["moe_dropped_tokens"]
     if model.get("moe_capacity"):
         assert expected[0]["moe_dropped_tokens"] > 0
+
+
+def test_a_recomputed_moe_block_counts_its_routing_once():
+    """With early stopping off, checkpointing replays each block to its end in backward: the MoE layers
+    must still count one forward, their first (torch's default early stop may end the replay sooner)."""
+    config = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64, moe_capacity=1.0, **MOE)
+    model = GPT(config)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    apply_activation_checkpointing(model.blocks, TrainConfig(activation_checkpointing="full"))
+    with set_checkpoint_early_stop(False):
+        out = model(torch.randint(0, 64, (2, 16)))
+        (out.float().sum() + pop_auxiliary_loss(model)).backward()
+    assert [layer.forwards for layer in moe_layers(model)] == [1, 1]
+    assert pop_auxiliary_loss(model) is None  # the replay kept no auxiliary loss
