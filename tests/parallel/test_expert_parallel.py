@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (ranks, parallel section, model section besides MOE)
     "ep2-bias-balance-shared-expert": (2, {"ep": 2}, {"moe_bias_balance": True, "moe_shared_expert": True}),
     "ep4": (4, {"ep": 4}, {}),
     "ep2-zero3-4ranks-llama": (4, {"ep": 2, "zero": 3}, {"family": "llama", "n_kv_heads": 1}),
+    "ep2-zero2-4ranks": (4, {"ep": 2, "zero": 2}, {}),
 }
 
 
@@ -67,6 +68,10 @@ def test_expert_parallel_matches_one_process(name, tmp_path):
 
     assert held == MOE["moe_experts"] // parallel["ep"]  # the experts are split, not replicated
     rows, expected = read_metrics(run.run.dir), read_metrics(reference.run.dir)
+    # each rank's share of the expert weights: 1/ep, and under FSDP also sharded over the dp ranks holding copies
+    share = 1 / ranks if parallel.get("zero", 0) >= 2 else 1 / parallel["ep"]
+    assert rows[0]["expert_bytes_per_rank"] == rows[0]["expert_bytes_total"] * share
+    assert expected[0]["expert_bytes_per_rank"] == expected[0]["expert_bytes_total"]
     assert len(rows) == len(expected) == 5
     for row, ref in zip(rows, expected, strict=True):
         for key in ("loss", "moe_aux_loss", "moe_load_imbalance"):

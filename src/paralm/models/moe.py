@@ -215,6 +215,15 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def expert_bytes(module: nn.Module) -> dict[str, int]:
+    """Bytes of the routed experts' weights: this rank's share (`expert_bytes_per_rank`) and the whole's."""
+    weights = [p for layer in moe_layers(module) for p in layer.experts.parameters()]
+    return {
+        "expert_bytes_per_rank": sum(local(p).numel() * p.element_size() for p in weights),
+        "expert_bytes_total": sum(p.numel() * p.element_size() for p in weights),
+    }
+
+
 def pop_auxiliary_loss(module: nn.Module) -> torch.Tensor | None:
     """The auxiliary losses of the MoE layers' last forward, summed (None without any); each is taken once."""
     losses = []
