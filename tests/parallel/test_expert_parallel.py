@@ -91,28 +91,28 @@ def train(config: Config) -> None:
 
 
 @pytest.mark.slow
-def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
+@pytest.mark.parametrize("ranks, parallel", [(2, {"ep": 2}), (4, {"ep": 2, "zero": 3})], ids=["ep2", "ep2-zero3"])
+def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path, ranks, parallel):
     """AdamW (optimizer state in the checkpoint) and the loss-free bias (a fast rate, so that a bias lost
-    on resume changes the routing): an ep = 2 run stopped at step 3 and resumed ends as one process does;
-    its step-3 checkpoint, experts saved by expert, also resumes on one process."""
+    on resume changes the routing): an ep = 2 run (with ZeRO-3 on 4 ranks: experts sharded by FSDP too)
+    stopped at step 3 and resumed ends as one process does; its step-3 checkpoint also resumes on one process."""
     model = MOE | {"moe_bias_balance": True, "moe_bias_rate": 0.05}
 
-    def run(name: str, ranks: int, steps: int) -> Config:
+    def run(name: str, ranks: int, steps: int, parallel: dict) -> Config:
         train_section = {"micro_batch_size": GLOBAL_BATCH // ranks, "steps": steps}
-        parallel = {"ep": ranks} if ranks > 1 else {}
         checkpoint = {"every": 3, "resume": "auto"}
         return tiny_config(tmp_path / name, model=model, parallel=parallel, train=train_section, checkpoint=checkpoint)
 
-    reference = run("one", 1, 5)
+    reference = run("one", 1, 5, {})
     train(reference)
-    run_ranks(train, 2, tmp_path, run("ep2", 2, 3))
+    run_ranks(train, ranks, tmp_path, run("ep", ranks, 3, parallel))
     (tmp_path / "resharded").mkdir()
-    shutil.copytree(tmp_path / "ep2" / "checkpoints", tmp_path / "resharded" / "checkpoints")
-    run_ranks(train, 2, tmp_path, run("ep2", 2, 5))
-    train(run("resharded", 1, 5))
+    shutil.copytree(tmp_path / "ep" / "checkpoints", tmp_path / "resharded" / "checkpoints")
+    run_ranks(train, ranks, tmp_path, run("ep", ranks, 5, parallel))
+    train(run("resharded", 1, 5, {}))
 
     expected = {row["step"]: row["loss"] for row in read_metrics(reference.run.dir)}
-    for name, steps in (("ep2", range(5)), ("resharded", range(3, 5))):
+    for name, steps in (("ep", range(5)), ("resharded", range(3, 5))):
         rows = {row["step"]: row["loss"] for row in read_metrics(tmp_path / name) if "loss" in row}
         assert sorted(rows) == list(steps), name
         for step in steps:
