@@ -125,8 +125,10 @@ def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path, ranks, 
         ({}, {"ep": 2}, {}, "parallel.ep > 1 needs experts"),
         (MOE, {"ep": 3}, {}, "model.moe_experts = 4 is not divisible by parallel.ep = 3"),
         (MOE, {"ep": 2, "zero": 1}, {}, "parallel.zero = 1 with parallel.ep > 1"),
+        (MOE, {"ep": 2, "pp": 2}, {}, "parallel.pp > 1 with parallel.ep > 1"),
+        (MOE, {"ep": 2, "tp": 2}, {}, "parallel.tp > 1 with parallel.ep > 1"),
     ],
-    ids=["dense", "indivisible", "zero1"],
+    ids=["dense", "indivisible", "zero1", "pp-with-ep", "tp-with-ep"],
 )
 def test_moe_layouts_that_cannot_run_are_one_line_errors(tmp_path, model, parallel, train, fragment):
     config = tiny_config(tmp_path, model={**MOE, **model} if model else {}, parallel=parallel, train=train)
