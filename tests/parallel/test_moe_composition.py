@@ -27,6 +27,7 @@ TRAIN = {"optimizer": "sgd", "lr": 0.5, "steps": 4, "micro_batch_size": 8}
 
 LAYOUTS = {  # name: (ranks, parallel section, train section, model section besides MOE)
     "checkpointing-full": (1, {}, {"activation_checkpointing": "full"}, {"moe_capacity": 1.0}),
+    "checkpointing-full-ep2": (2, {"ep": 2}, {"activation_checkpointing": "full", "micro_batch_size": 4}, {}),
     "pp2": (2, {"pp": 2, "pp_microbatches": 2}, {}, {}),
     "tp2": (2, {"tp": 2}, {}, {}),
 }
