@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (ranks, parallel section, model section besides MOE)
     "ep2-bias-balance-shared-expert": (2, {"ep": 2}, {"moe_bias_balance": True, "moe_shared_expert": True}),
     "ep4": (4, {"ep": 4}, {}),
     "ep2-zero3-4ranks-llama": (4, {"ep": 2, "zero": 3}, {"family": "llama", "n_kv_heads": 1}),
+    "ep2-zero2-4ranks": (4, {"ep": 2, "zero": 2}, {}),
 }
 
 
@@ -67,6 +68,10 @@ def test_expert_parallel_matches_one_process(name, tmp_path):
 
     assert held == MOE["moe_experts"] // parallel["ep"]  # the experts are split, not replicated
     rows, expected = read_metrics(run.run.dir), read_metrics(reference.run.dir)
+    # each rank's share of the expert weights: 1/ep, and under FSDP also sharded over the dp ranks holding copies
+    share = 1 / ranks if parallel.get("zero", 0) >= 2 else 1 / parallel["ep"]
+    assert rows[0]["expert_bytes_per_rank"] == rows[0]["expert_bytes_total"] * share
+    assert expected[0]["expert_bytes_per_rank"] == expected[0]["expert_bytes_total"]
     assert len(rows) == len(expected) == 5
     for row, ref in zip(rows, expected, strict=True):
         for key in ("loss", "moe_aux_loss", "moe_load_imbalance"):
@@ -86,28 +91,28 @@ def train(config: Config) -> None:
 
 
 @pytest.mark.slow
-def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
+@pytest.mark.parametrize("ranks, parallel", [(2, {"ep": 2}), (4, {"ep": 2, "zero": 3})], ids=["ep2", "ep2-zero3"])
+def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path, ranks, parallel):
     """AdamW (optimizer state in the checkpoint) and the loss-free bias (a fast rate, so that a bias lost
-    on resume changes the routing): an ep = 2 run stopped at step 3 and resumed ends as one process does;
-    its step-3 checkpoint, experts saved by expert, also resumes on one process."""
+    on resume changes the routing): an ep = 2 run (with ZeRO-3 on 4 ranks: experts sharded by FSDP too)
+    stopped at step 3 and resumed ends as one process does; its step-3 checkpoint also resumes on one process."""
     model = MOE | {"moe_bias_balance": True, "moe_bias_rate": 0.05}
 
-    def run(name: str, ranks: int, steps: int) -> Config:
+    def run(name: str, ranks: int, steps: int, parallel: dict) -> Config:
         train_section = {"micro_batch_size": GLOBAL_BATCH // ranks, "steps": steps}
-        parallel = {"ep": ranks} if ranks > 1 else {}
         checkpoint = {"every": 3, "resume": "auto"}
         return tiny_config(tmp_path / name, model=model, parallel=parallel, train=train_section, checkpoint=checkpoint)
 
-    reference = run("one", 1, 5)
+    reference = run("one", 1, 5, {})
     train(reference)
-    run_ranks(train, 2, tmp_path, run("ep2", 2, 3))
+    run_ranks(train, ranks, tmp_path, run("ep", ranks, 3, parallel))
     (tmp_path / "resharded").mkdir()
-    shutil.copytree(tmp_path / "ep2" / "checkpoints", tmp_path / "resharded" / "checkpoints")
-    run_ranks(train, 2, tmp_path, run("ep2", 2, 5))
-    train(run("resharded", 1, 5))
+    shutil.copytree(tmp_path / "ep" / "checkpoints", tmp_path / "resharded" / "checkpoints")
+    run_ranks(train, ranks, tmp_path, run("ep", ranks, 5, parallel))
+    train(run("resharded", 1, 5, {}))
 
     expected = {row["step"]: row["loss"] for row in read_metrics(reference.run.dir)}
-    for name, steps in (("ep2", range(5)), ("resharded", range(3, 5))):
+    for name, steps in (("ep", range(5)), ("resharded", range(3, 5))):
         rows = {row["step"]: row["loss"] for row in read_metrics(tmp_path / name) if "loss" in row}
         assert sorted(rows) == list(steps), name
         for step in steps:
@@ -119,12 +124,11 @@ def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path):
     [
         ({}, {"ep": 2}, {}, "parallel.ep > 1 needs experts"),
         (MOE, {"ep": 3}, {}, "model.moe_experts = 4 is not divisible by parallel.ep = 3"),
-        (MOE, {"tp": 2}, {}, "parallel.tp > 1 is not supported"),
-        (MOE, {"pp": 2}, {}, "parallel.pp > 1 is not supported"),
         (MOE, {"ep": 2, "zero": 1}, {}, "parallel.zero = 1 with parallel.ep > 1"),
-        (MOE, {}, {"activation_checkpointing": "full"}, "train.activation_checkpointing"),
+        (MOE, {"ep": 2, "pp": 2}, {}, "parallel.pp > 1 with parallel.ep > 1"),
+        (MOE, {"ep": 2, "tp": 2}, {}, "parallel.tp > 1 with parallel.ep > 1"),
     ],
-    ids=["dense", "indivisible", "tp", "pp", "zero1", "checkpointing"],
+    ids=["dense", "indivisible", "zero1", "pp-with-ep", "tp-with-ep"],
 )
 def test_moe_layouts_that_cannot_run_are_one_line_errors(tmp_path, model, parallel, train, fragment):
     config = tiny_config(tmp_path, model={**MOE, **model} if model else {}, parallel=parallel, train=train)

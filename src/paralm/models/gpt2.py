@@ -69,7 +69,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         moe = is_moe_block(config, index)  # GELU experts of the MLP's width, without biases
-        self.mlp = MoE(config, 4 * config.d_model, gated=False) if moe else MLP(config)
+        self.mlp = MoE(config, 4 * config.d_model, gated=False, layer=index) if moe else MLP(config)
 
     def forward(
         self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None

@@ -108,7 +108,7 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         moe = is_moe_block(config, index)  # SwiGLU experts of the feed-forward's width
-        self.feed_forward = MoE(config, ffn_hidden(config), gated=True) if moe else FeedForward(config)
+        self.feed_forward = MoE(config, ffn_hidden(config), gated=True, layer=index) if moe else FeedForward(config)
 
     def forward(
         self,

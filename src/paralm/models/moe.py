@@ -18,7 +18,9 @@ a micro-batch's T tokens, and the rest are dropped (they pass through the residu
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -77,6 +79,25 @@ def check_moe(config: ModelConfig) -> None:
             raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
 
 
+_recomputing = [False]  # a block's forward replayed by activation checkpointing (one process, one flag)
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Activation checkpointing's recomputation context: a replayed forward routes as the first one (same
+    inputs, same bias) and builds the same graph, but keeps no auxiliary loss and counts no statistics,
+    which the first forward already did."""
+    _recomputing[0] = True
+    try:
+        yield
+    finally:
+        _recomputing[0] = False
+
+
+def moe_layer_count(config: ModelConfig) -> int:
+    return sum(is_moe_block(config, i) for i in range(config.n_layer))
+
+
 def local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a weight (expert parallelism makes it a DTensor sharded by expert)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
@@ -108,9 +129,10 @@ class MoE(nn.Module):
     """Router, routed experts and an optional shared expert. In training, each forward keeps its
     auxiliary loss (`pop_auxiliary_loss`) and adds to the step's routing statistics (`take_statistics`)."""
 
-    def __init__(self, config: ModelConfig, hidden: int, gated: bool) -> None:
+    def __init__(self, config: ModelConfig, hidden: int, gated: bool, layer: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.slot = sum(is_moe_block(config, i) for i in range(layer))  # its place among the model's MoE layers
         experts, d = config.moe_experts, config.d_model
         self.gate = nn.Linear(d, experts, bias=False)
         self.experts = GroupedExperts(experts, d, hidden, gated)
@@ -175,6 +197,8 @@ class MoE(nn.Module):
         routed = torch.zeros(batch, experts, device=picks.device).scatter_add_(1, picks, torch.ones_like(picks).float())
         balance = experts * (routed / picks.shape[1] * share).sum(-1).mean()
         aux = c.moe_aux_loss * balance + c.moe_z_loss * torch.logsumexp(logits, -1).square().mean()
+        if _recomputing[0]:
+            return
         self.aux_loss = aux if c.moe_aux_loss or c.moe_z_loss else None
         with torch.no_grad():
             if self.load is None:
@@ -191,6 +215,15 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def expert_bytes(module: nn.Module) -> dict[str, int]:
+    """Bytes of the routed experts' weights: this rank's share (`expert_bytes_per_rank`) and the whole's."""
+    weights = [p for layer in moe_layers(module) for p in layer.experts.parameters()]
+    return {
+        "expert_bytes_per_rank": sum(local(p).numel() * p.element_size() for p in weights),
+        "expert_bytes_total": sum(p.numel() * p.element_size() for p in weights),
+    }
+
+
 def pop_auxiliary_loss(module: nn.Module) -> torch.Tensor | None:
     """The auxiliary losses of the MoE layers' last forward, summed (None without any); each is taken once."""
     losses = []
@@ -203,14 +236,19 @@ def pop_auxiliary_loss(module: nn.Module) -> torch.Tensor | None:
 
 def take_statistics(module: nn.Module) -> torch.Tensor | None:
     """This step's routing of this rank, as sums over ranks make sense of (see `balance_figures`):
-    [balance loss mean over forwards and layers, dropped tokens, tokens per expert of each layer...];
-    the statistics start again. None without MoE layers that ran."""
+    [balance loss mean over forwards, summed over layers, dropped tokens, tokens per expert of each MoE
+    layer of the whole model...], zeros for the layers a pipeline stage does not hold (so ranks holding
+    other stages add theirs in place); the statistics start again. None without MoE layers that ran."""
     layers = [layer for layer in moe_layers(module) if layer.forwards]
     if not layers:
         return None
-    balance = torch.stack([layer.balance / layer.forwards for layer in layers]).mean()
+    config = layers[0].config
+    loads = torch.zeros(moe_layer_count(config), config.moe_experts, device=layers[0].load.device)
+    for layer in layers:
+        loads[layer.slot] = layer.load
+    balance = torch.stack([layer.balance / layer.forwards for layer in layers]).sum()
     dropped = torch.stack([layer.dropped for layer in layers]).sum()
-    values = torch.cat([balance.view(1), dropped.view(1), *(layer.load for layer in layers)])
+    values = torch.cat([balance.view(1), dropped.view(1), loads.flatten()])
     for layer in layers:
         layer.load = layer.dropped = layer.balance = None
         layer.forwards = 0
@@ -222,7 +260,11 @@ def balance_figures(summed: list[float], replicas: int, experts: int) -> dict[st
     the balance loss (mean), dropped tokens, and the worst layer's max/mean tokens per expert."""
     loads = torch.tensor(summed[2:]).view(-1, experts)
     imbalance = (loads.amax(1) / loads.mean(1).clamp(min=1e-9)).max().item()
-    return {"moe_aux_loss": summed[0] / replicas, "moe_dropped_tokens": int(summed[1]), "moe_load_imbalance": imbalance}
+    return {
+        "moe_aux_loss": summed[0] / replicas / loads.shape[0],  # the mean over the layers
+        "moe_dropped_tokens": int(summed[1]),
+        "moe_load_imbalance": imbalance,
+    }
 
 
 @torch.no_grad()
@@ -238,6 +280,8 @@ def update_balance(
     loads = statistics[2:].clone()
     if group is not None:
         dist.all_reduce(loads, group=group)
-    for layer, load in zip(layers, loads.view(len(layers), -1), strict=True):
+    loads = loads.view(-1, layers[0].config.moe_experts)
+    for layer in layers:
+        load = loads[layer.slot]
         step = layer.config.moe_bias_rate * torch.sign(load.mean() - load)
         layer.expert_bias += step * (~skipped).to(step.dtype)

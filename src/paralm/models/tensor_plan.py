@@ -6,6 +6,11 @@ row-wise; under sequence parallelism its norm and the residual stream stay shard
 sequence (Korthikanti et al. 2022). The embedding is row-wise over the vocabulary and the head
 column-wise with its output left sharded for `loss_parallel`, so a tied weight (both shard dim 0 of
 the same `(vocab, d_model)` matrix) stays one parameter.
+
+A mixture-of-experts feed-forward is replicated over the group (its router and experts; expert
+parallelism, if any, splits the experts over data-parallel ranks instead): it takes the gathered
+input as a plain tensor, every rank routes the same tokens alike, and under sequence parallelism its
+output is cut back to this rank's positions.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from paralm.models.moe import MoE
 from paralm.models.spec import ShardedRegion
 
 
@@ -59,6 +66,15 @@ def decoder_plan(model: nn.Module, names: DecoderNames, sequence_parallel: bool)
         for part in names.parts:
             if sequence_parallel:
                 plan[prefix + part.norm] = SequenceParallel()
+            if isinstance(model.get_submodule(prefix + part.module), MoE):
+                plan[prefix + part.module] = PrepareModuleInputOutput(
+                    input_layouts=(residual,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(residual,),
+                )
+                continue
             # one gathered input shared by the column-parallel projections: their input gradients add
             # up locally and are reduced once; keyword arguments (positions, a cache) pass as they are
             plan[prefix + part.module] = PrepareModuleInput(
@@ -89,4 +105,5 @@ def decoder_sharded_regions(model: nn.Module, names: DecoderNames, sequence_para
         ShardedRegion(f"{names.blocks}.{key}.{part.module}", f"{names.blocks}.{key}.{part.module}.{part.output}")
         for key in model.get_submodule(names.blocks)
         for part in names.parts
+        if not isinstance(model.get_submodule(f"{names.blocks}.{key}.{part.module}"), MoE)  # replicated
     ]

@@ -3,15 +3,20 @@
 `full` wraps every block, `selective` every k-th (`train.ac_every`), counting layers from 1 by their
 index in the whole model, so a pipeline stage picks the same blocks as the unsplit model. PyTorch's
 `checkpoint_wrapper` is used because checkpoint state dicts (DCP's `get_state_dict`) strip its
-prefix: parameter names stay those of the plain model.
+prefix: parameter names stay those of the plain model. The recomputation runs inside `recomputing`,
+so an MoE layer replayed in backward neither counts its routing statistics nor keeps an auxiliary loss
+a second time.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from torch import nn
 
 from paralm.compat import checkpoint_wrapper
 from paralm.config.schema import TrainConfig
+from paralm.models.moe import recomputing
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict, train: TrainConfig) -> None:
@@ -22,4 +27,9 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, train: TrainConfig) ->
     for name, block in list(blocks.items()):
         if (int(name) + 1) % every == 0:
             # Non-reentrant recomputation restores the RNG state, so dropout draws the same masks twice.
-            blocks[name] = checkpoint_wrapper(block)
+            blocks[name] = checkpoint_wrapper(block, context_fn=_contexts)
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """(the first forward's context, the recomputation's)."""
+    return contextlib.nullcontext(), recomputing()

@@ -8,10 +8,13 @@ the rank holding their expert and back, by `all_to_all_single`: the counts first
 the tokens with those splits. Routing itself is unchanged, so with dropless routing a step computes
 what one process computes.
 
-Gradients: the dense parameters sync as without ep (DDP or FSDP, which leave the experts alone).
-An expert's gradient on its rank already sums the contributions of every token of its ep group, each
-scaled by its own rank's loss; `reduce_expert_gradients` adds those of the groups holding copies and
-divides by the data-parallel degree, which makes it the global batch's mean gradient as DDP's.
+Gradients: the dense parameters sync as without ep (DDP or FSDP). An expert's gradient on its rank
+already sums the contributions of every token of its ep group, each scaled by its own rank's loss;
+`reduce_gradients` adds those of the groups holding copies and divides by the data-parallel degree,
+which makes it the global batch's mean gradient as DDP's. Under FSDP (`parallel.zero` 2/3) the
+experts' module is an FSDP unit of its own over the `edp` ranks (torchtitan's dp_shard_mod_ep): each
+expert weight is sharded over the copies of it, so expert memory per rank falls with dp, and FSDP's
+reduce-scatter averages over `edp`; `reduce_gradients` then does the rest (dp_replicate, the 1/dp).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from paralm import compat
@@ -87,6 +91,8 @@ class ExpertParallel:
     def __init__(self, model: nn.Module, runtime: Runtime) -> None:
         self.mesh, self.dp = expert_mesh(runtime), runtime.dims.dp
         self.parameters: list[nn.Parameter] = []
+        self.modules: list[nn.Module] = []
+        self.sharded = False  # by FSDP over edp (`shard`)
         for layer in moe_layers(model):
             state = _Dispatch()
             distribute_module(
@@ -97,6 +103,16 @@ class ExpertParallel:
                 output_fn=partial(_combine, state),
             )
             self.parameters.extend(layer.experts.parameters())
+            self.modules.append(layer.experts)
+
+    def shard(self, **fsdp: Any) -> None:
+        """Each experts' module an FSDP unit over `edp` (`fsdp`: `fully_shard`'s other arguments), before the
+        blocks holding them are wrapped. Weights are sharded along their rows (dim 1): dim 0, the experts, is
+        already split by ep and may hold fewer experts than edp ranks."""
+        for module in self.modules:
+            fully_shard(module, mesh=self.mesh["edp"], shard_placement_fn=lambda _: Shard(1), **fsdp)
+        self.sharded = True
+        self.parameters = [p for module in self.modules for p in module.parameters()]  # FSDP's new parameters
 
     def hide_from_ddp(self, model: nn.Module) -> None:
         ids = {id(p) for p in self.parameters}
@@ -104,12 +120,15 @@ class ExpertParallel:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Each expert's gradient summed over the copies of it (the edp and dp_replicate groups), over dp."""
-        groups = [self.mesh[name].get_group() for name in ("dp_replicate", "edp") if self.mesh[name].size() > 1]
+        """Each expert's gradient summed over the copies of it (the edp and dp_replicate groups), over dp; sharded
+        by FSDP, the edp sum is FSDP's (an average: the divisor is then what edp leaves of dp)."""
+        names = ("dp_replicate",) if self.sharded else ("dp_replicate", "edp")
+        groups = [self.mesh[name].get_group() for name in names if self.mesh[name].size() > 1]
+        divisor = self.dp // self.mesh["edp"].size() if self.sharded else self.dp
         for param in self.parameters:
             if param.grad is None:
                 continue
             grad = param.grad.to_local()
             for group in groups:
                 dist.all_reduce(grad, group=group)
-            grad.div_(self.dp)
+            grad.div_(divisor)

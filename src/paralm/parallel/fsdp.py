@@ -28,6 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from paralm.compat import flatten_mesh
 from paralm.config.dtypes import torch_dtype
 from paralm.config.schema import ParallelConfig, PrecisionConfig
+from paralm.parallel.expert import ExpertParallel
 from paralm.parallel.runtime import Runtime
 
 
@@ -49,11 +50,11 @@ def apply_fsdp(
     runtime: Runtime,
     parallel: ParallelConfig,
     precision: PrecisionConfig,
-    ignored: set[nn.Parameter] | None = None,
+    experts: ExpertParallel | None = None,
 ) -> None:
     """Shard `model` in place (its class becomes an `FSDPModule`) at the ZeRO stage of `runtime.dims`, each of
-    its `blocks` a unit of its own; works on meta-device models. `ignored`: parameters synced otherwise
-    (expert parallelism's)."""
+    its `blocks` a unit of its own; works on meta-device models. `experts`: expert parallelism's experts,
+    each layer's a unit of its own over the ranks holding copies of them (`ExpertParallel.shard`)."""
     compute = precision.dtype
     offload = parallel.cpu_offload
     policy = {
@@ -63,9 +64,10 @@ def apply_fsdp(
             reduce_dtype=torch_dtype(precision.reduce_dtype),
         ),
         "offload_policy": CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if offload else OffloadPolicy(),
-        "ignored_params": ignored,
     }
     reshard = runtime.dims.zero == 3
+    if experts is not None:
+        experts.shard(reshard_after_forward=reshard, **{k: policy[k] for k in ("mp_policy", "offload_policy")})
     for block in blocks.values():
         fully_shard(block, reshard_after_forward=reshard, **policy)
     fully_shard(model, **policy)  # the root keeps its parameters gathered: backward starts there

@@ -118,8 +118,7 @@ def parallelize_stage(
         check_compile(config, runtime.device.type)
         apply_compile(blocks)
     if dims.fsdp_enabled:
-        ignored = set(experts.parameters) if experts else None
-        apply_fsdp(model, blocks, runtime, config.parallel, config.precision, ignored)  # ZeRO-2/3 (ZeRO-1: zero1)
+        apply_fsdp(model, blocks, runtime, config.parallel, config.precision, experts)  # ZeRO-2/3 (ZeRO-1: zero1)
     if has_meta_tensors(model):  # after sharding, so each rank allocates only its shards of the initial weights
         materialize(model, runtime.device, config.train.seed, offload=config.parallel.cpu_offload)
     if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.sync)

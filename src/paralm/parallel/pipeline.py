@@ -18,8 +18,10 @@ Loss: the schedule's loss function is a pipeline micro-batch's mean cross-entrop
 number of micro-batches in the whole step (pipeline micro-batches x grad_accum), with
 `scale_grads=False`: gradients and the summed loss are then the batch mean, as in the trainer's loop.
 With a loss mask it is the micro-batch's summed loss over the trained targets per loss replica
-(`Batches.loss_tokens`), as in `PlainStep`. Document ids travel as a keyword the schedule splits
-along with the batch and hands every stage.
+(`Batches.loss_tokens`), as in `PlainStep`. An MoE stage's auxiliary loss never leaves its rank: the
+stage's output carries it into backward (`carry_auxiliary_loss`), weighted as `PlainStep` weighs it
+(1 / the step's micro-batches), so each stage's MoE layers get the gradient one process gives them.
+Document ids travel as a keyword the schedule splits along with the batch and hands every stage.
 
 Evaluation sends activations through the stages in order with plain send/recv (no schedule), so any
 batch size works.
@@ -44,11 +46,12 @@ from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.config.schema import ParallelConfig
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
+from paralm.models.moe import pop_auxiliary_loss, take_statistics
 from paralm.models.spec import ModelSpec, tied_parameters
 from paralm.parallel.precision import autocast
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
-from paralm.parallel.step import Batches, LossScale, document_kwargs, loss_tokens
+from paralm.parallel.step import Batches, LossScale, carry_auxiliary_loss, document_kwargs, loss_tokens
 from paralm.parallel.tensor import local_value, loss_context
 
 StageParallelizer = Callable[[nn.Module], nn.Module]
@@ -85,6 +88,9 @@ class Pipeline(nn.Module):
         held = dict(self.named_parameters(remove_duplicate=False))
         self.tied = [[held[n] for n in (source, name) if n in held] for name, source in tied.items()]
         self.tied_group = _tied_group(runtime, stage_to_rank[0], stage_to_rank[last]) if tied else None
+        self._inferred: set[int] = set()
+        for module in stage_modules.values():
+            module.register_forward_hook(self._carry_auxiliary_loss)
         self.stages = [
             PipelineStage(module, s, self.num_stages, runtime.device, group=self.pp_group)
             for s, module in stage_modules.items()
@@ -95,6 +101,16 @@ class Pipeline(nn.Module):
         if self._loss_tokens is not None:
             return cross_entropy_loss(logits, targets, self._loss_tokens)
         return cross_entropy_loss(logits, targets) / self._loss_divisor
+
+    def _carry_auxiliary_loss(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        """The stage's output carrying its auxiliary loss; but a stage's first training forward is the schedule's
+        metadata inference (on empty tensors): its routing statistics and auxiliary loss are dropped."""
+        if module.training and id(module) not in self._inferred:
+            self._inferred.add(id(module))
+            take_statistics(module)
+            pop_auxiliary_loss(module)
+            return output
+        return carry_auxiliary_loss(module, output, 1 / self._loss_divisor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a pipeline runs through forward_backward or eval_loss, not a single forward")

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import pop_auxiliary_loss
@@ -39,6 +40,35 @@ def loss_tokens(batches: list) -> float | None:
 def document_kwargs(rest: tuple | list) -> dict[str, torch.Tensor]:
     """The model's `documents` keyword from what follows (x, y) in a micro-batch (nothing: none)."""
     return {"documents": rest[0]} if rest and rest[0] is not None else {}
+
+
+class _AuxiliaryGradient(torch.autograd.Function):
+    """Identity on `output`; in backward, `aux` gets the gradient `weight` (Megatron-LM's
+    MoEAuxLossAutoScaler): the auxiliary loss trains where it was computed, without travelling."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.weight, ctx.aux_shape = weight, aux.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
+        return grad, torch.full(ctx.aux_shape, ctx.weight, device=grad.device), None
+
+
+def carry_auxiliary_loss(module: nn.Module, output: torch.Tensor, weight: float) -> torch.Tensor:
+    """`output` of `module`, carrying the auxiliary loss its MoE layers kept in this forward, weighted by
+    `weight`, into backward (where a pipeline stage's loss is not computed on its rank)."""
+    aux = pop_auxiliary_loss(module)
+    return output if aux is None else _AuxiliaryGradient.apply(output, aux, weight)
+
+
+def _like(loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """`aux` as a DTensor laid out as a tensor-parallel `loss` (replicated experts compute it alike on every
+    rank), so that backward does not meet a plain tensor and a DTensor in one op; else itself."""
+    if isinstance(loss, DTensor):
+        return DTensor.from_local(aux, loss.device_mesh, loss.placements, run_check=False)
+    return aux
 
 
 LossScale = Callable[[torch.Tensor], torch.Tensor]  # multiplies the loss before backward (fp16 loss scaling)
@@ -85,7 +115,7 @@ class PlainStep:
                     else:
                         loss = self._loss(x, y, *rest, tokens=tokens)
                     aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss
-                scale(loss if aux is None else loss + aux / len(batches)).backward()
+                scale(loss if aux is None else loss + _like(loss, aux) / len(batches)).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum
 

@@ -149,7 +149,7 @@ class Trainer:
             grad_norm,
             {**self.memory.after_step(), **self.observer.step_ended(self.step)},  # own time: `observe.stragglers`
             flag,
-            produced.get("moe"),
+            **produced,  # `moe`, and host numbers of the hooks
             lr=lr,
             samples_seen=self.samples_seen,
             trained_tokens=batches.trained,

@@ -1,0 +1,76 @@
+"""MoE models under activation checkpointing, pipeline and tensor parallelism train what one process trains.
+
+Each layout trains a 2-layer MoE tiny model (4 experts, top-2) for 4 steps with SGD on the same global
+batch as one process; losses and routing metrics are compared within 1e-5 (fp32 rounding of other
+batch shapes). The auxiliary loss weighs 0.5, so a stage or a recomputation that lost its gradient
+moves the loss by far more than the tolerance. Checkpointing runs with a capacity that drops tokens: a
+recomputed block counting its routing again would double the dropped tokens.
+"""
+
+import pytest
+import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
+
+from paralm.config.schema import TrainConfig
+from paralm.models.config import ModelConfig
+from paralm.models.gpt2 import GPT
+from paralm.models.moe import moe_layers, pop_auxiliary_loss
+from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
+from paralm.parallel.runtime import init_runtime, shutdown
+from paralm.train.trainer import Trainer
+from tests.helpers import read_metrics, runtime_for, tiny_config
+from tests.multiprocess import run_ranks
+
+TOLERANCE = 1e-5
+MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_aux_loss": 0.5}
+TRAIN = {"optimizer": "sgd", "lr": 0.5, "steps": 4, "micro_batch_size": 8}
+
+LAYOUTS = {  # name: (ranks, parallel section, train section, model section besides MOE)
+    "checkpointing-full": (1, {}, {"activation_checkpointing": "full"}, {"moe_capacity": 1.0}),
+    "checkpointing-full-ep2": (2, {"ep": 2}, {"activation_checkpointing": "full", "micro_batch_size": 4}, {}),
+    "pp2": (2, {"pp": 2, "pp_microbatches": 2}, {}, {}),
+    "tp2": (2, {"tp": 2}, {}, {}),
+}
+
+
+def train(config) -> None:
+    runtime = init_runtime(config.parallel, config.sync)
+    Trainer(config, runtime_for(config, runtime)).fit()
+    shutdown(runtime)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_moe_layout_matches_one_process(name, tmp_path):
+    ranks, parallel, train_section, model = LAYOUTS[name]
+    reference = tiny_config(tmp_path / "one", model=MOE | model, train=TRAIN)
+    train(reference)
+    run = tiny_config(tmp_path / name, model=MOE | model, parallel=parallel, train=TRAIN | train_section)
+    if ranks == 1:
+        train(run)
+    else:
+        run_ranks(train, ranks, tmp_path, run)
+
+    rows, expected = read_metrics(run.run.dir), read_metrics(reference.run.dir)
+    assert len(rows) == len(expected) == 4
+    for row, ref in zip(rows, expected, strict=True):
+        for key in ("loss", "moe_aux_loss", "moe_load_imbalance"):
+            assert abs(row[key] - ref[key]) < TOLERANCE, (key, row[key], ref[key])
+        assert row["moe_dropped_tokens"] == ref["moe_dropped_tokens"]
+    if model.get("moe_capacity"):
+        assert expected[0]["moe_dropped_tokens"] > 0
+
+
+def test_a_recomputed_moe_block_counts_its_routing_once():
+    """With early stopping off, checkpointing replays each block to its end in backward: the MoE layers
+    must still count one forward, their first (torch's default early stop may end the replay sooner)."""
+    config = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64, moe_capacity=1.0, **MOE)
+    model = GPT(config)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    apply_activation_checkpointing(model.blocks, TrainConfig(activation_checkpointing="full"))
+    with set_checkpoint_early_stop(False):
+        out = model(torch.randint(0, 64, (2, 16)))
+        (out.float().sum() + pop_auxiliary_loss(model)).backward()
+    assert [layer.forwards for layer in moe_layers(model)] == [1, 1]
+    assert pop_auxiliary_loss(model) is None  # the replay kept no auxiliary loss
