@@ -24,6 +24,9 @@ def check_moe_layout(config: Config) -> None:
         # experts are weight tensors, not the linear layers torchao swaps (`paralm.convert.layers`)
         f"train.qat = {config.train.qat!r}": config.train.qat != "none",
         "precision.float8": config.precision.float8,
+        # the MoE blocks' recomputation context is no dispatch mode, which torch.compile requires
+        "train.compile with activation checkpointing": config.train.compile
+        and config.train.activation_checkpointing != "none",
         # its servers step the parameters: the loss-free bias and the routing metrics would never move
         "sync.mode = 'parameter_server'": config.sync.mode == "parameter_server",
         "parallel.zero = 1 with parallel.ep > 1": p.zero == 1 and p.ep > 1,

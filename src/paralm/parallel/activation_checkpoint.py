@@ -16,7 +16,7 @@ from torch import nn
 
 from paralm.compat import checkpoint_wrapper
 from paralm.config.schema import TrainConfig
-from paralm.models.moe import recomputing
+from paralm.models.moe import moe_layers, recomputing
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict, train: TrainConfig) -> None:
@@ -26,8 +26,11 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, train: TrainConfig) ->
     every = 1 if train.activation_checkpointing == "full" else train.ac_every
     for name, block in list(blocks.items()):
         if (int(name) + 1) % every == 0:
-            # Non-reentrant recomputation restores the RNG state, so dropout draws the same masks twice.
-            blocks[name] = checkpoint_wrapper(block, context_fn=_contexts)
+            # Non-reentrant recomputation restores the RNG state, so dropout draws the same masks twice. Only
+            # MoE blocks take the recomputation context: torch.compile accepts no `context_fn` but
+            # dispatch modes, and a dense block needs none.
+            contexts = {"context_fn": _contexts} if moe_layers(block) else {}
+            blocks[name] = checkpoint_wrapper(block, **contexts)
 
 
 def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
