@@ -150,7 +150,8 @@ def grads_after_unsynced_microstep(configs: list[Config]) -> list[bool]:
     for config in configs:
         trainer = Trainer(config, runtime_for(config, runtime))
         x, y = trainer.engine.micro_batches()[0]
-        with gradient_sync(trainer.engine.plan.module, sync=False):
+        first_of_two = trainer.engine.plan.runner.sync_every_microstep  # what the step syncs before the last
+        with gradient_sync(trainer.engine.plan.module, sync=first_of_two):
             cross_entropy_loss(trainer.engine.plan.module(x), y).backward()
         held.append(all(isinstance(p.grad, DTensor) for p in trainer.engine.model.parameters()))
     shutdown(runtime)
