@@ -212,7 +212,7 @@ def test_batches_reach_a_gpu_from_pinned_memory(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: pinned.append(pin_memory) or empty(*a, **k))
     monkeypatch.setattr(torch.Tensor, "to", lambda t, device, non_blocking=False: copies.append(non_blocking) or t)
     tokens = torch.arange(4 * 9).view(4, 9)
-    data = SimpleNamespace(sample=lambda seed, start, count: (tokens[:, :-1], tokens[:, 1:]))
+    data = SimpleNamespace(sample=lambda seed, start, count: (tokens[:, :-1], tokens[:, 1:]), has_loss_mask=False)
     engine = SimpleNamespace(
         layout=BatchLayout(1, 2, 2), dp_rank=0, train_data=data, config=tiny_config(tmp_path), device=None
     )
