@@ -3,7 +3,7 @@ change beside it, output = W x + b + (alpha / rank) B A dropout(x), with A (rank
 B (out x rank) zero, so step 0 is the base model exactly.
 
 `LoRALinear` is the `nn.Linear` it replaces, with `lora_a` and `lora_b` added: the base keeps its parameter
-names (`...wq.weight`), so checkpoints, `checkpoint.init_from` and imports load the base into it as into the
+names (`<layer>.weight`), so checkpoints, `checkpoint.init_from` and imports load the base into it as into the
 plain model; a base without adapters loads with the adapters left fresh. Every other parameter (embeddings,
 norms, head) is frozen too, so the optimizer (built from `requires_grad` parameters) holds state only for the
 adapters. `merge_lora` folds the adapters back into plain linear layers: what a finished run is read as, so
@@ -71,7 +71,7 @@ class LoRALinear(nn.Linear):
 
 
 def lora_layers(model: nn.Module, spec: ModelSpec, targets: list[str]) -> list[str]:
-    """The linear layers `targets` names (a branch, `attention`, or a layer, `wq`); all of them when empty."""
+    """The linear layers `targets` names (a branch or a layer, as the spec names them); all of them when empty."""
     names = linear_names(model, spec)
     if not targets:
         return names

@@ -212,13 +212,17 @@ def checkpoint_to_resume(config: Config) -> Path | None:
     resume = config.checkpoint.resume
     if resume == "none":
         return None
-    path = latest_checkpoint(config.run.dir) if resume == "auto" else resolve_checkpoint(resume)
     run_dir, sync = Path(config.run.dir), config.sync
-    if resume == "auto" and sync.fault_tolerant and run_dir == replica_group_dir(run_dir.parent, sync.ft_group):
+    if resume != "auto":
+        path = resolve_checkpoint(resume)
+    elif sync.fault_tolerant and run_dir == replica_group_dir(run_dir.parent, sync.ft_group):
         # a replica group of `paralm train --replicas`: the run's own checkpoints and every group's count
+        # (each folder's newest is checked once: checking hashes every file)
         path = run_checkpoint(run_dir.parent)
         if path is not None:
             _report(f"replica group {sync.ft_group} resumes from {path}")
+    else:
+        path = latest_checkpoint(run_dir)
     if path is not None:
         check_compatible(path, config.model)
     return path
