@@ -75,7 +75,7 @@ def peak_mib() -> float:
 
 
 def worker(what: str, folder: str, out: str) -> None:
-    """One measured process (or rank): prints a JSON row."""
+    """One measured process (or rank): writes its JSON row to `out`-rows/RANK.json (ranks share stdout)."""
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -93,8 +93,11 @@ def worker(what: str, folder: str, out: str) -> None:
         import_hf(folder, out, None, ["--log.tensorboard=false"])
     else:
         before, started = _init_from(folder, int(what))
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "seconds": time.perf_counter() - started,
-                      "before": before, "peak": peak_mib()}), flush=True)  # fmt: skip
+    rank = int(os.environ.get("RANK", 0))
+    row = {"rank": rank, "seconds": time.perf_counter() - started, "before": before, "peak": peak_mib()}
+    rows = Path(f"{out}-rows")
+    rows.mkdir(parents=True, exist_ok=True)
+    (rows / f"{rank}.json").write_text(json.dumps(row))
 
 
 def _init_from(folder: str, zero: int) -> tuple[float, float]:
@@ -128,9 +131,8 @@ def measure(what: str, folder: Path, ranks: int, threads: int, out: Path) -> lis
     done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{what} on {ranks} rank(s) failed:\n{done.stderr[-3000:]}")
-    return sorted(
-        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
-    )
+    rows = [json.loads(path.read_text()) for path in Path(f"{out}-rows").glob("*.json")]
+    return sorted(rows, key=lambda r: r["rank"])
 
 
 def main() -> None:
