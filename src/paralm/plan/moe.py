@@ -74,8 +74,8 @@ def moe_summary(best: Prediction, work: Workload) -> str | None:
             f"mixture of experts: {shape.active_params / 1e9:.3g}B active of {shape.params / 1e9:.3g}B parameters "
             f"per token ({moe.top_k}{' + 1 shared' if moe.shared else ''} of {moe.experts} experts in {moe.layers} "
             f"blocks); FLOPs per token count the active ones",
-            f"expert parallelism in the fastest layout: parallel.ep = {layout.ep} ({moe.experts // layout.ep} "
-            f"experts per device{sharding}); all-to-all {all_to_all_bytes(layout, work) / GiB:.3g} GiB sent per "
-            f"device per step, {best.time.ep_comm_s:.3g} s, none hidden",
+            f"expert parallelism in the fastest layout: parallel.ep = {layout.ep} ({moe.experts // layout.ep} of "
+            f"each block's experts per device{sharding}); all-to-all {all_to_all_bytes(layout, work) / GiB:.3g} GiB "
+            f"sent per device per step, {best.time.ep_comm_s:.3g} s, none hidden",
         ]
     )
