@@ -49,7 +49,8 @@ class LatentAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         nope, rope, value = mla_dims(config)
-        self.dims, heads, d = (nope, rope, value), config.n_head, config.d_model
+        self.dims, self.latent = (nope, rope, value), config.kv_lora_rank
+        heads, d = config.n_head, config.d_model
         rank = config.q_lora_rank
         self.wq_a = nn.Linear(d, rank, bias=False) if rank else None
         self.q_norm = nn.RMSNorm(rank, eps=LATENT_EPS) if rank else None
@@ -74,7 +75,7 @@ class LatentAttention(nn.Module):
         nope, rope, value = self.dims
         q = self.wq(self.q_norm(self.wq_a(x)) if self.wq_a is not None else x)
         q_nope, q_rope = q.view(batch, seq, -1, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
-        latent, k_rope = self.wkv_a(x).split([self.kv_norm.normalized_shape[0], rope], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.latent, rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, nope + value).transpose(1, 2)
         k_nope, v = kv.split([nope, value], dim=-1)
         if positions is None:
