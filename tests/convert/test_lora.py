@@ -132,15 +132,18 @@ def _train(config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 3])
-def test_two_ranks_match_one_process(base, tmp_path, zero):
-    """DDP, and ZeRO-3 (FSDP2 groups holding frozen weights and trainable adapters alike)."""
+@pytest.mark.parametrize(
+    "parallel", [{"zero": 0}, {"zero": 3}, {"pp": 2, "pp_microbatches": 2}], ids=["ddp", "zero3", "pp2"]
+)
+def test_two_ranks_match_one_process(base, tmp_path, parallel):
+    """DDP, ZeRO-3 (FSDP2 groups holding frozen weights and trainable adapters alike), and 2 pipeline stages
+    (each stage's adapters on its own rank; the whole batch, split into pipeline micro-batches)."""
     single = _lora(tmp_path / "single", base)
     ranks = tiny_config(
         tmp_path / "ranks",
-        train={"steps": 3, "lr": 1e-2, "micro_batch_size": 2, **LORA},
+        train={"steps": 3, "lr": 1e-2, "micro_batch_size": 4 if "pp" in parallel else 2, **LORA},
         checkpoint={"init_from": str(base)},
-        parallel={"zero": zero},
+        parallel=parallel,
     )
     train(single)
     run_ranks(_train, 2, tmp_path, ranks)

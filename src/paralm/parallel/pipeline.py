@@ -139,6 +139,8 @@ class Pipeline(nn.Module):
 
     def _sum_tied_grads(self) -> None:
         for params in self.tied:
+            if not any(p.requires_grad for p in params):  # frozen on every rank (LoRA's base): nothing to sum
+                continue
             grads = [_grad_like_param(p) for p in params]
             if len(grads) == 2:  # both ends on this rank
                 grads[0].add_(grads[1])
