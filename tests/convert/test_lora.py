@@ -118,11 +118,11 @@ def test_the_merged_run_gives_the_adapted_models_logits(base, tmp_path):
         ("--train.lora_targets=attn,wz", "'wz'"),
         ("--sync.mode=parameter_server", "parameter_server"),
         ("--model.moe_experts=4", "moe_experts"),
-        ("--parallel.tp=2", "parallel.tp"),
+        ("--parallel.tp=2 --parallel.sequence_parallel=true", "parallel.sequence_parallel"),
     ],
 )
 def test_settings_lora_cannot_run_are_one_line_errors(override, says):
-    overrides = [override] if "lora_rank" in override else ["--train.lora_rank=4", override]
+    overrides = override.split() if "lora_rank" in override else ["--train.lora_rank=4", *override.split()]
     with pytest.raises(UserError, match=says):
         load_config(None, overrides)
 
@@ -133,7 +133,9 @@ def _train(config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "parallel", [{"zero": 0}, {"zero": 3}, {"pp": 2, "pp_microbatches": 2}], ids=["ddp", "zero3", "pp2"]
+    "parallel",
+    [{"zero": 0}, {"zero": 3}, {"pp": 2, "pp_microbatches": 2}, {"tp": 2}],
+    ids=["ddp", "zero3", "pp2", "tp2"],
 )
 def test_two_ranks_match_one_process(base, tmp_path, parallel):
     """DDP, ZeRO-3 (FSDP2 groups holding frozen weights and trainable adapters alike), and 2 pipeline stages
@@ -141,7 +143,7 @@ def test_two_ranks_match_one_process(base, tmp_path, parallel):
     single = _lora(tmp_path / "single", base)
     ranks = tiny_config(
         tmp_path / "ranks",
-        train={"steps": 3, "lr": 1e-2, "micro_batch_size": 4 if "pp" in parallel else 2, **LORA},
+        train={"steps": 3, "lr": 1e-2, "micro_batch_size": 2 if "zero" in parallel else 4, **LORA},
         checkpoint={"init_from": str(base)},
         parallel=parallel,
     )

@@ -19,6 +19,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from paralm.config.schema import TrainConfig
 from paralm.convert.layers import linear_names
@@ -66,8 +68,36 @@ class LoRALinear(nn.Linear):
         plain.bias = None if self.bias is None else nn.Parameter(self.bias.detach().clone())
         return plain
 
+    def shard_like_weight(self) -> None:
+        """Under tensor parallelism (the weight a DTensor), place the adapters so that B A is split as W is: a
+        column-wise W (Shard(0): outputs split) splits B by rows and keeps A whole; a row-wise W (Shard(1):
+        inputs split) splits A by columns and keeps B whole. DTensor then reduces the partial sums as W's."""
+        weight = self.weight
+        if not isinstance(weight, DTensor):
+            return
+        mesh, (placement,) = weight.device_mesh, weight.placements
+        a, b = (Replicate(), Shard(0)) if placement == Shard(0) else (Shard(1), Replicate())
+        self.lora_a = nn.Parameter(_placed(self.lora_a, mesh, a))
+        self.lora_b = nn.Parameter(_placed(self.lora_b, mesh, b))
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale:g}"
+
+
+def _placed(param: torch.Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
+    """`param` (a tensor or a DTensor, meta ones included) as a DTensor placed by `placement`."""
+    if param.device.type == "meta":
+        full = torch.empty(param.shape, dtype=param.dtype, device="meta")
+    else:
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+    return distribute_tensor(full.detach(), mesh, [placement], src_data_rank=None)  # every rank holds it whole
+
+
+def shard_adapters_like_weights(model: nn.Module) -> None:
+    """After a tensor-parallel plan sharded the base layers (`LoRALinear.shard_like_weight`)."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.shard_like_weight()
 
 
 def lora_layers(model: nn.Module, spec: ModelSpec, targets: list[str]) -> list[str]:

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from paralm.convert.lora import shard_adapters_like_weights
 from paralm.models.spec import ModelSpec, ShardedRegion, tied_parameters
 
 
@@ -37,6 +38,7 @@ def apply_tensor_parallel(
     its sharded regions draw per-rank masks (`draw_per_rank`)."""
     tied = tied_parameters(model, spec)  # a pipeline stage may hold one end or its own copy
     parallelize_module(model, tp_mesh, spec.tensor_parallel_plan(model, sequence_parallel))
+    shard_adapters_like_weights(model)  # a converter's LoRA adapters: split as their base weights
     for name, source in tied.items():
         module, attribute = name.rsplit(".", 1)
         setattr(model.get_submodule(module), attribute, model.get_parameter(source))
