@@ -1,6 +1,7 @@
 """Starting from the checkpoints users have (issue 40): sharded safetensors both ways, Llama 3.1 (llama3
-RoPE scaling), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, explicit head width) exact against
-transformers' own classes, `checkpoint.init_from`, and the bad inputs refused in one line.
+RoPE scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, explicit head width), Mistral with a sliding
+window and Qwen3-MoE exact against transformers' own classes, `checkpoint.init_from`, and the bad inputs
+refused in one line (the window's and Qwen3-MoE's own checks: `tests/test_families.py`).
 
 Shapes are odd on purpose: grouped-query attention, an untied head, a head width (16) that is not
 d_model / n_head (48 / 4), an intermediate size (100) off Llama's multiple-of-256 rule, and weights moved far
@@ -42,10 +43,15 @@ ODD = dict(
 )
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 LLAMA3["original_max_position_embeddings"] = 16  # of 64 positions: the scaling shows
+# 4 experts of width 40 (not intermediate_size), top-2 without renormalising (Qwen3-MoE's default), block 0
+# dense and block 1 MoE (decoder_sparse_step = 2)
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=2)
 ARCHITECTURES = {  # name: (class, config class, config fields besides ODD)
     "llama31": ("LlamaForCausalLM", "LlamaConfig", dict(rope_scaling=LLAMA3)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=24)),  # of 64 positions: it masks
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
 }
 FINE_TUNE = ["--train.steps=2", "--train.micro_batch_size=2", "--train.eval_samples=4", "--log.tensorboard=false"]
 
