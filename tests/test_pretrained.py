@@ -208,8 +208,14 @@ def test_a_vocabulary_larger_than_the_model_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, parallel",
-    [("llama31", {"tp": 2}), ("qwen2", {"zero": 3}), ("qwen3", {"tp": 2})],
-    ids=["llama31-tp2", "qwen2-zero3", "qwen3-tp2-init_from"],
+    [
+        ("llama31", {"tp": 2}),
+        ("qwen2", {"zero": 3}),
+        ("qwen3", {"tp": 2}),
+        ("mistral", {"tp": 2, "sequence_parallel": "true"}),  # the window's mask on the gathered sequence
+        ("qwen3_moe", {"ep": 2}),
+    ],
+    ids=["llama31-tp2", "qwen2-zero3", "qwen3-tp2-init_from", "mistral-window-tp2-sp", "qwen3-moe-ep2"],
 )
 def test_round_trip_through_a_sharded_layout(tmp_path, name, parallel):
     """Import (Qwen3: init_from straight into TP shards), 2 steps on 2 ranks (TP: biases column-sharded, q/k
