@@ -26,11 +26,11 @@ import torch.multiprocessing as mp
 from common import machine, print_table, step, train_metrics, warm_trainer
 
 from paralm import compat
+from paralm.config.dims import ParallelDims
 from paralm.config.schema import Config
 from paralm.config.source import read_toml
-from paralm.plan.cluster import parse_cluster
-from paralm.plan.layout import Workload
-from paralm.plan.moe import plan_experts
+from paralm.plan.layout import Layout, Workload
+from paralm.plan.moe import all_to_all_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/moe-tiny.toml"
@@ -78,7 +78,7 @@ def measured_all_to_all(ep: int, out: Path) -> tuple[float, float]:
 def planned_all_to_all(ep: int) -> float:
     config = Config.from_dict(_sections(ep, steps=1))
     work = Workload.from_config(config, GLOBAL_BATCH, "fp32-master")
-    return plan_experts(work.shape, work, parse_cluster(f"h100:{ep}"), ep).all_to_all_bytes
+    return all_to_all_bytes(Layout.of_config(config, ParallelDims.from_config(config.parallel, config.sync, ep)), work)
 
 
 def main() -> None:

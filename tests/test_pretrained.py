@@ -50,6 +50,7 @@ ARCHITECTURES = {  # name: (class, config class, config fields besides ODD)
     "llama31": ("LlamaForCausalLM", "LlamaConfig", dict(rope_scaling=LLAMA3)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=24)),  # of 64 positions: it masks
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
 }
@@ -212,18 +213,27 @@ def test_a_vocabulary_larger_than_the_model_is_one_line(tmp_path, capsys):
         ("llama31", {"tp": 2}),
         ("qwen2", {"zero": 3}),
         ("qwen3", {"tp": 2}),
+        ("mixtral", {"ep": 2, "zero": 3}),
         ("mistral", {"tp": 2, "sequence_parallel": "true"}),  # the window's mask on the gathered sequence
         ("qwen3_moe", {"ep": 2}),
     ],
-    ids=["llama31-tp2", "qwen2-zero3", "qwen3-tp2-init_from", "mistral-window-tp2-sp", "qwen3-moe-ep2"],
+    ids=[
+        "llama31-tp2",
+        "qwen2-zero3",
+        "qwen3-tp2-init_from",
+        "mixtral-ep2-zero3-init_from",
+        "mistral-window-tp2-sp",
+        "qwen3-moe-ep2",
+    ],
 )
 def test_round_trip_through_a_sharded_layout(tmp_path, name, parallel):
-    """Import (Qwen3: init_from straight into TP shards), 2 steps on 2 ranks (TP: biases column-sharded, q/k
-    norms replicated with their gradients summed; ZeRO-3), export: transformers computes paralm's logits."""
+    """Import (Qwen3, Mixtral: init_from straight into TP shards, or experts split by ep and sharded by ZeRO-3),
+    2 steps on 2 ranks (TP: biases column-sharded, q/k norms replicated with their gradients summed; ZeRO-3;
+    ep), export: transformers computes paralm's logits (exports broken at EP > 1 are a known failure elsewhere)."""
     hf, run = tmp_path / "hf", tmp_path / "run"
     save_far_from_init(hf, name)
     overrides = [*FINE_TUNE, f"--run.dir={run}", *(f"--parallel.{k}={v}" for k, v in parallel.items())]
-    if name == "qwen3":
+    if name in ("qwen3", "mixtral"):
         config = load_config(None, [*overrides, f"--checkpoint.init_from={hf}"], init_model=True)
     else:
         assert main(["import", "--hf", str(hf), "--out", str(run)]) == 0

@@ -1,4 +1,5 @@
-"""MoE models under activation checkpointing, pipeline and tensor parallelism train what one process trains.
+"""MoE models under activation checkpointing, pipeline and tensor parallelism, and expert parallelism inside a
+pipeline, train what one process trains.
 
 Each layout trains a 2-layer MoE tiny model (4 experts, top-2) for 4 steps with SGD on the same global
 batch as one process; losses and routing metrics are compared within 1e-5 (fp32 rounding of other
@@ -30,6 +31,7 @@ LAYOUTS = {  # name: (ranks, parallel section, train section, model section besi
     "checkpointing-full-ep2": (2, {"ep": 2}, {"activation_checkpointing": "full", "micro_batch_size": 4}, {}),
     "pp2": (2, {"pp": 2, "pp_microbatches": 2}, {}, {}),
     "tp2": (2, {"tp": 2}, {}, {}),
+    "pp2-ep2-zero3": (4, {"pp": 2, "pp_microbatches": 2, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
 }
 
 
@@ -59,6 +61,8 @@ def test_moe_layout_matches_one_process(name, tmp_path):
         assert row["moe_dropped_tokens"] == ref["moe_dropped_tokens"]
     if model.get("moe_capacity"):
         assert expected[0]["moe_dropped_tokens"] > 0
+    if parallel.get("ep"):  # each rank holds 1/ep of its stage's experts (no edp copies to shard over here)
+        assert rows[0]["expert_bytes_per_rank"] * parallel["ep"] == rows[0]["expert_bytes_total"]
 
 
 def test_a_recomputed_moe_block_counts_its_routing_once():

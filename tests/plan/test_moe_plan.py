@@ -1,40 +1,106 @@
-"""The planner's lines for a mixture-of-experts model (`paralm.plan.moe`): each figure against what it claims.
+"""The planner's mixture-of-experts pricing (`paralm.plan.moe`, `memory`, `timing`): each figure against what it
+claims.
 
-Active against total parameters: the closed-form counts, equal to the built model's (its routed experts
-counted top-k of E). The recommended ep: the smallest divisor of the experts whose expert states take at
-most half a device. (The all-to-all bytes assume uniform routing: `benchmarks/moe.py` prints them beside the
-bytes runs measure; no test holds them.)
+Active against total parameters: the closed-form counts, equal to the built model's (its routed experts counted
+top-k of E). Expert parallelism is a searched dim: a device holds 1/ep of the routed experts (ZeRO shards them over
+the dp_shard / ep ranks holding the same ones), their data-parallel traffic runs over those ranks, and the
+all-to-alls are priced per MoE block. (The all-to-all bytes assume uniform routing: `benchmarks/moe.py` prints them
+beside the bytes runs measure; no test holds them to a run.)
 """
 
+import dataclasses
+
+import pytest
 import torch
 
 from paralm.config.load import load_config
 from paralm.models.registry import model_shape, model_spec
 from paralm.plan.cluster import PRESETS
-from paralm.plan.layout import Workload
-from paralm.plan.moe import moe_summary, plan_experts, recommended_ep
+from paralm.plan.layout import Layout, Workload
+from paralm.plan.memory import device_memory, rank_expert_params, rank_params
+from paralm.plan.moe import all_to_all_bytes, moe_summary
+from paralm.plan.search import evaluate, search
+from paralm.plan.timing import step_time
+
+MIXTRAL = ("configs/mixtral-8x7b.toml", ["--precision.dtype=bf16"])
 
 
-def test_active_and_total_parameters_are_the_built_models():
-    config = load_config("configs/moe-tiny.toml")
+def _layout(**fields) -> Layout:
+    base = dict(dp_replicate=1, dp_shard=8, zero=3, tp=1, sequence_parallel=False, pp=1, pp_schedule="1f1b")
+    base |= dict(pp_microbatches=1, pp_virtual_stages=1, micro_batch_size=1, grad_accum=1)
+    return Layout(**(base | {"activation_checkpointing": "none"} | fields))
+
+
+def _built_counts(config) -> tuple[int, int]:
     with torch.device("meta"):
         model = model_spec(config.model).build(config.model)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or n.endswith("experts"))
+    return total, experts
+
+
+def test_active_and_total_parameters_are_the_built_models():
+    config = load_config("configs/moe-tiny.toml")
+    total, experts = _built_counts(config)
     moe = config.model
     shape = model_shape(moe)
     assert experts > 0 and shape.params == total
     assert shape.active_params == total - experts + experts * moe.moe_top_k // moe.moe_experts
 
 
-def test_the_recommended_ep_is_the_smallest_whose_experts_fit_half_a_device():
-    config = load_config("configs/mixtral-8x7b.toml", ["--precision.dtype=bf16"])
-    shape, cluster = model_shape(config.model), PRESETS["h100"].with_devices(64)
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_a_device_holds_the_built_models_parameters_with_1_over_ep_of_its_experts(ep):
+    config = load_config("configs/moe-tiny.toml")
+    total, experts = _built_counts(config)
+    shape, layout = model_shape(config.model), _layout(ep=ep, dp_shard=4)
+    rank = layout.ranks(shape)[0]
+    assert rank_expert_params(shape, layout, rank) == pytest.approx(experts / ep)
+    assert rank_params(shape, layout, rank) == pytest.approx(total - experts + experts / ep)
+
+
+def test_zero_shards_the_experts_over_the_ranks_holding_them():
+    """ZeRO-3 over 8 ranks keeps 1/8 of every parameter whatever ep is (experts: 1/ep over dp_shard / ep ranks);
+    ZeRO-2 keeps whole parameters, so ep divides the experts' share of them."""
+    config = load_config(*MIXTRAL)
+    shape, work = model_shape(config.model), Workload.from_config(config, 8, "fp32-master")
+    cluster = PRESETS["h100"].with_devices(8)
+    z3 = [device_memory(_layout(ep=ep), work, cluster).param_bytes for ep in (1, 8)]
+    assert z3[0] == pytest.approx(z3[1]) and z3[0] == pytest.approx(4 * shape.params / 8, rel=1e-6)
+    z2 = [device_memory(_layout(ep=ep, zero=2), work, cluster).param_bytes for ep in (1, 8)]
+    experts = shape.moe.layers * shape.moe.experts * shape.moe.expert_params
+    # bf16 copies of the held parameters plus the fp32 shard: ep 8 holds 7/8 of the experts fewer
+    assert z2[0] - z2[1] == pytest.approx(experts * 7 / 8 * 2, rel=1e-6)
+
+
+def test_expert_parallelism_moves_expert_traffic_to_all_to_alls():
+    config = load_config(*MIXTRAL)
     work = Workload.from_config(config, 64, "fp32-master")
-    ep = recommended_ep(shape, work, cluster)
-    half = cluster.memory_bytes / 2
-    smaller = [e for e in (1, 2, 4) if e < ep]
-    assert all(plan_experts(shape, work, cluster, e).expert_state_bytes > half for e in smaller)
-    assert plan_experts(shape, work, cluster, ep).expert_state_bytes <= half or ep == shape.moe.experts
-    lines = moe_summary(shape, work, cluster)
-    assert f"parallel.ep = {ep}" in lines and "active of 46.7B parameters" in lines
+    cluster = PRESETS["h100"].with_devices(64)
+    times = {ep: step_time(_layout(dp_shard=64, ep=ep), work, cluster) for ep in (1, 2, 8)}
+    assert times[1].ep_comm_s == 0 < times[2].ep_comm_s < times[8].ep_comm_s
+    assert times[1].dp_comm_s > times[2].dp_comm_s > times[8].dp_comm_s  # experts gathered over fewer ranks
+    shape, layout = work.shape, _layout(dp_shard=64, ep=8)
+    tokens = layout.micro_batch_size * shape.block_size
+    per_block = 4 * tokens * shape.moe.top_k * shape.d_model * work.element_bytes * 7 / 8
+    assert all_to_all_bytes(layout, work) == pytest.approx(per_block * shape.moe.layers)
+    checkpointed = dataclasses.replace(layout, activation_checkpointing="full")
+    assert all_to_all_bytes(checkpointed, work) == pytest.approx(1.5 * per_block * shape.moe.layers)
+
+
+def test_the_search_prices_every_expert_degree_and_picks_one_for_mixtral():
+    config = load_config(*MIXTRAL)
+    cluster = PRESETS["h100"].with_devices(64)
+    work, plans = search(config, cluster, {})
+    degrees = {p.layout.ep for p in plans}
+    assert degrees == {1, 2, 4, 8}
+    assert all(
+        p.layout.dp_shard % p.layout.ep == 0 and (p.layout.pp == 1 or p.layout.ep == 1 or p.layout.zero >= 2)
+        for p in plans
+    )
+    best = plans[0]
+    # ZeRO-3 would gather every expert over 8 to 64 ranks each step: ep 8 gathers them over dp_shard / 8
+    assert best.layout.ep == 8 and best.memory.total <= cluster.memory_bytes
+    replicated = evaluate(dataclasses.replace(best.layout, ep=1), work, cluster)
+    assert replicated.time.total > best.time.total
+    assert "parallel.ep = 8" in moe_summary(best, work)
+    assert moe_summary(best, Workload.from_config(load_config("configs/tiny.toml"), 8, "fp32-master")) is None

@@ -46,15 +46,15 @@ class ParallelPlan:
     sync_config: SyncConfig  # the straggler who sleeps in `before_step`; which replica group this job is
     tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
-    experts: ExpertParallel | None = None  # expert parallelism: its expert gradients sync here
+    experts: tuple[ExpertParallel, ...] = ()  # expert parallelism (one per pipeline stage): its gradients sync here
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
         loss = self.runner.forward_backward(batches, scale)
         if self.runtime.dims.tp_enabled:
             reduce_partial_gradients(self.model)
-        if self.experts is not None:
-            self.experts.reduce_gradients()
+        for experts in self.experts:
+            experts.reduce_gradients()
         return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -81,12 +81,18 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     """
     dims, spec, dtype = runtime.dims, model_spec(config.model), config.precision.dtype
     tied = tied_parameters(model, spec)  # before a pipeline cut makes the head a copy
-    experts = ExpertParallel(model, runtime) if dims.ep_enabled else None  # before DDP/FSDP, which skip them
+    experts: list[ExpertParallel] = []
+
+    def parallelize_part(part: nn.Module) -> nn.Module:
+        """The whole model or one pipeline stage, its experts split first (DDP/FSDP then skip them)."""
+        if dims.ep_enabled:
+            experts.append(ExpertParallel(part, runtime))
+        return parallelize_stage(part, runtime, config, experts[-1] if dims.ep_enabled else None)
+
     if dims.pp_enabled:  # stages are cut on the meta device, each materialised by `parallelize_stage`
-        stage = lambda part: parallelize_stage(part, runtime, config)  # noqa: E731
-        module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, stage)
+        module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, parallelize_part)
     else:
-        module = parallelize_stage(model, runtime, config, experts)
+        module = parallelize_part(model)
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
         every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
         runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep)
@@ -98,7 +104,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         sync_config=config.sync,
         tied=tuple(tied),
         scaler_group=runtime.grad_group if dims.shards_gradients else None,
-        experts=experts,
+        experts=tuple(experts),
     )
 
 

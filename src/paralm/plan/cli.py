@@ -106,7 +106,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
     print(error_line())
-    if experts := moe_summary(work.shape, work, cluster):
+    if experts := moe_summary(plans[0], work):
         print(experts)
     if muon := muon_summary(work, cluster):
         print(muon)

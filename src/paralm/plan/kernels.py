@@ -143,11 +143,13 @@ def block_forward(
     float8: bool = False,
     compiled: bool = False,
     attention_kernel: str = "flash2",
+    ep: int = 1,
 ) -> BlockTimes:
     """With context parallelism (`cp` > 1) a rank holds s / cp positions of each sequence, whose queries
     attend to all s keys (ring or all-to-all alike: the same work, balanced by zig-zag or by heads).
     `float8`: the weight matmuls at the FP8 peak on one-byte operands, plus their casts; `compiled`:
-    elementwise work fused (`COMPILED_KERNELS`)."""
+    elementwise work fused (`COMPILED_KERNELS`). With expert parallelism (`ep` > 1) a rank runs 1/ep of
+    the experts, each on the tokens routed to it from all ep ranks: the same FLOPs in larger matmuls."""
     d, s, e = shape.d_model, shape.block_size, element_bytes
     local = s // cp
     tokens = sequences * local
@@ -159,12 +161,12 @@ def block_forward(
     casts = sum(count * float8_casts(tokens, n, d, e, compiled) for n, count in widths) if float8 else 0.0
     if shape.moe is not None:  # MoE blocks: each expert multiplies its share of the routed tokens instead
         moe = shape.moe
-        routed = tokens * moe.top_k / moe.experts
+        routed = tokens * moe.top_k / moe.experts * ep
 
         def ffn(matrices: tuple[tuple[int, int, int], ...], rows_in: float) -> float:
             return sum(count * matmul(cluster, dtype, rows_in, r * c // d, d, e) for r, c, count in matrices)
 
-        experts = moe.experts * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, tokens)
+        experts = moe.experts / ep * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, tokens)
         linear += moe.layers / shape.n_layer * (experts - ffn(moe.dense_ffn_matrices, tokens))
     attention = fused_attention(cluster, dtype, shape, local, sequences * shape.n_head / t, e, attention_kernel)
     seq_split = t if sp else 1

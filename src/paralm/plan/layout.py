@@ -108,6 +108,7 @@ class Layout:
     ps_servers: int = 0  # devices serving parameters (sync.mode = parameter_server), outside the mesh
     cp: int = 1  # context parallelism: each sequence's positions split across cp ranks
     cp_method: str = "ring"  # ring | alltoall
+    ep: int = 1  # expert parallelism: each dp_shard group cut into ep neighbours, each holding 1/ep of the experts
 
     @classmethod
     def of_config(cls, config: Config, dims: ParallelDims) -> Layout:
@@ -131,6 +132,7 @@ class Layout:
             pp_split=tuple(p.pp_split),
             cp=p.cp,
             cp_method=p.cp_method,
+            ep=p.ep,
         )
 
     @property
@@ -145,6 +147,12 @@ class Layout:
     def shards(self) -> int:
         """Ranks ZeRO shards model states over: dp_shard, and the cp ranks folded in (as paralm's FSDP)."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks ZeRO shards each routed expert over: the `edp` ranks holding the same experts
+        (`paralm.parallel.expert`)."""
+        return self.shards // self.ep
 
     def sequence(self, shape: ModelShape) -> int:
         """Positions of each sequence one rank holds (block_size / cp)."""
@@ -195,6 +203,7 @@ class Layout:
             pp_split=list(self.pp_split),
             cp=self.cp,
             cp_method=self.cp_method,
+            ep=self.ep,
         )
         train = dataclasses.replace(
             config.train,
@@ -238,12 +247,15 @@ def _critical_ranks(p: int, v: int, v_shape: bool, shape: ModelShape, split: tup
 def group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
     """(size, stride) of each process group in the mesh (pp, dp_replicate, dp_shard, cp, tp). The cp ranks
     average gradients with the data-parallel ones and ZeRO shards over them: `dp_shard` and `dp` here are
-    those groups with cp folded in (the plain ones when cp = 1)."""
+    those groups with cp folded in (the plain ones when cp = 1). Expert parallelism cuts `dp_shard` into
+    `ep` neighbours (`ep`) and the ranks holding the same experts (`edp`)."""
     t, c, s, r = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
     return {
         "tp": (t, 1),
         "cp": (c, t),
         "dp_shard": (s * c, t),
+        "ep": (layout.ep, t),
+        "edp": (s * c // layout.ep, t * layout.ep),
         "dp_replicate": (r, t * c * s),
         "dp": (r * s * c, t),  # both data-parallel dims together (DDP, ZeRO over the whole group)
         "pp": (layout.pp, t * c * s * r),

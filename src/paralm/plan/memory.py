@@ -144,16 +144,41 @@ def rank_params(shape: ModelShape, layout: Layout, rank: Rank) -> float:
     """Parameters on one device of `rank`: TP splits the matrices, column-parallel biases and the
     vocabulary (Shoeybi et al. 2019, Megatron-LM sec. 3), and replicates norms, row-parallel biases and
     position embeddings. An untied head is the last rank's own; with a pipeline, a tied head is a copy
-    of the embedding on the last rank (as Megatron)."""
+    of the embedding on the last rank (as Megatron). MoE blocks add their router, shared and routed experts
+    (`rank_expert_params`) in place of the dense feed-forward; paralm replicates those over tp."""
     t = layout.tp
-    layer = (shape.layer_matrix_params + shape.layer_column_bias_params) / t + shape.layer_replicated_params
-    total = rank.layers * layer
+    total = rank.layers * block_params(shape, layout)
     if rank.has_embedding:
         total += shape.embedding_params / t + shape.position_params
     if rank.has_head:
         tied_copy = shape.embedding_params if not shape.head_params and not rank.has_embedding else 0
         total += shape.final_norm_params + (shape.head_params + tied_copy) / t
     return total
+
+
+def block_params(shape: ModelShape, layout: Layout) -> float:
+    """One block's parameters on a device, MoE blocks' spread over all blocks."""
+    t, moe = layout.tp, shape.moe
+    block = (shape.layer_matrix_params + shape.layer_column_bias_params) / t + shape.layer_replicated_params
+    if moe is not None:
+        routed = moe.experts * moe.expert_params / layout.ep
+        block += moe.layers / shape.n_layer * (moe.router_params + moe.shared * moe.expert_params + routed)
+        block -= moe.layers / shape.n_layer * moe.dense_ffn_params / t
+    return block
+
+
+def rank_expert_params(shape: ModelShape, layout: Layout, rank: Rank) -> float:
+    """The routed experts' parameters among `rank_params`: 1/ep of each of its MoE blocks' experts, which
+    ZeRO shards over `Layout.expert_shards` ranks instead of `Layout.shards`."""
+    moe = shape.moe
+    if moe is None:
+        return 0.0
+    return rank.layers * moe.layers / shape.n_layer * moe.experts * moe.expert_params / layout.ep
+
+
+def sharded_params(params: float, experts: float, layout: Layout) -> float:
+    """The ZeRO shard of `params` (of which `experts` are routed experts) one device keeps."""
+    return (params - experts) / layout.shards + experts / layout.expert_shards
 
 
 def logits_bytes(shape: ModelShape, tokens: int, t: int, element_bytes: int) -> float:
@@ -167,10 +192,10 @@ def logits_bytes(shape: ModelShape, tokens: int, t: int, element_bytes: int) -> 
 def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> Memory:
     shape, e = work.shape, work.element_bytes
     t, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
-    params = rank_params(shape, layout, rank)
-    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+    params, experts = rank_params(shape, layout, rank), rank_expert_params(shape, layout, rank)
+    states = _sharded_states(params, experts, layout, work)
     if layout.zero >= 2 and layout.shards > 1:
-        states = _fsdp_states(states, params, layout, work)
+        states = _fsdp_states(states, params, experts, layout, work)
     elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.sync.zero1 keeps the averaged gradient shard
         states = ModelStates(states.param_bytes, states.grad_bytes / layout.dp_shard, states.optim_bytes)
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
@@ -206,12 +231,21 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     )
 
 
-def _fsdp_states(states: ModelStates, params: float, layout: Layout, work: Workload) -> ModelStates:
+def _sharded_states(params: float, experts: float, layout: Layout, work: Workload) -> ModelStates:
+    """Model states of a device whose routed experts (`experts` of `params`) are sharded over their own group."""
+    dense = model_states(params - experts, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+    if not experts:
+        return dense
+    routed = model_states(experts, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.expert_shards)
+    return ModelStates(*(a + b for a, b in zip(vars(dense).values(), vars(routed).values(), strict=True)))
+
+
+def _fsdp_states(states: ModelStates, params: float, experts: float, layout: Layout, work: Workload) -> ModelStates:
     """What FSDP2 holds beyond the paper's ZeRO-2 (see `paralm.train.memory`): with
     `reshard_after_forward=False`, as paralm stores states, the parameters gathered in the compute
     dtype stay from forward to the end of backward beside the sharded fp32 master copy."""
     if layout.zero == 2 and work.recipe == "fp32-master":
-        param = params * work.element_bytes + params * 4 / layout.shards
+        param = params * work.element_bytes + sharded_params(params, experts, layout) * 4
         return ModelStates(param, states.grad_bytes, states.optim_bytes)
     return states
 
@@ -220,10 +254,10 @@ def stored_states(layout: Layout, work: Workload, rank: Rank) -> ModelStates:
     """The model states a device keeps between steps, as paralm stores them (the dry run's plan): the
     model states of `rank_memory` without ZeRO-2's parameters gathered for forward and backward (FSDP
     stores the fp32 shard only) and ZeRO-1's whole gradients before their reduce-scatter."""
-    params = rank_params(work.shape, layout, rank)
-    states = model_states(params, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+    params, experts = rank_params(work.shape, layout, rank), rank_expert_params(work.shape, layout, rank)
+    states = _sharded_states(params, experts, layout, work)
     if layout.zero >= 2 and layout.shards > 1 and work.recipe == "fp32-master":
-        return ModelStates(params * 4 / layout.shards, states.grad_bytes, states.optim_bytes)
+        return ModelStates(sharded_params(params, experts, layout) * 4, states.grad_bytes, states.optim_bytes)
     return states
 
 
@@ -242,7 +276,7 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
       reduce-scattered to the shard (the model states) in the last backward;
     DDP's buckets are views of the gradients (paralm sets `gradient_as_bucket_view`), so cost nothing
     extra; NCCL's own buffers are part of the runtime allowance."""
-    e, layer = work.element_bytes, work.shape.layer_params / layout.tp
+    e, layer = work.element_bytes, block_params(work.shape, layout)
     param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
     accumulating = layout.zero >= 2 and layout.shards > 1 and layout.grad_accum > 1
     unsharded_grads = params * grad_bytes if accumulating and not work.sharded_accumulation else 0.0

@@ -1,81 +1,81 @@
-"""The planner's view of a mixture-of-experts model: active against total parameters, the expert-parallel
-degree to use, the expert memory per device and the all-to-all traffic it costs.
+"""The planner's view of a mixture-of-experts model: active against total parameters, and what expert
+parallelism (`parallel.ep`, a searched dim) costs and saves.
 
-The layout search prices a model by its shape (`ModelShape.flops_per_token` already counts the active
-experts only); expert parallelism is not among its searched dims. This adds, for an MoE shape, the
-degree paralm's `parallel.ep` should take and what it costs:
-- ep: the smallest divisor of the experts per block (and of the devices) whose expert states take at
-  most half a device: the fewest all-to-all peers, on a node's links when they fit in one;
-- expert memory per device: the experts' model states (parameters, gradients, optimizer state by the
-  recipe) split over ep, replicated over the rest;
-- all-to-all bytes per device and step: each MoE block sends every routed token (top-k copies of its
-  d_model activations) to the experts' ranks and receives the outputs back, forward, and the same
-  twice in backward: 4 x tokens x k x d_model x element bytes x (ep - 1) / ep per MoE block; the
-  exposed time is those bytes over the node's link bandwidth, none of it hidden (the dispatch waits
-  on the router, the experts on the dispatch).
+- memory (`paralm.plan.memory`): a device holds 1/ep of each MoE block's routed experts, which ZeRO
+  shards over the dp_shard / ep ranks holding the same experts (`edp`), as `paralm.parallel.expert` does;
+  router and shared experts are dense parameters;
+- data-parallel traffic (`paralm.plan.timing`): the experts' gathers and gradient reductions run over
+  `edp`, so ep divides the experts' share of them;
+- all-to-all: each MoE block sends every routed token (top-k copies of its d_model activations) to the
+  experts' ranks and receives the outputs back in forward, the same twice in backward and once more for a
+  recomputed block: (ep - 1) / ep of tokens x k x d_model x element bytes per all-to-all (uniform
+  routing), none of it hidden (the dispatch waits on the router, the experts on the dispatch).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from paralm.models.shape import ModelShape
+from paralm.plan import comm
 from paralm.plan.cluster import Cluster
-from paralm.plan.layout import DTYPE_BYTES, Workload
-from paralm.plan.memory import state_bytes
+from paralm.plan.layout import Layout, Rank, Workload, group_strides
+
+if TYPE_CHECKING:
+    from paralm.plan.search import Prediction
 
 GiB = 2**30
 
 
-@dataclass(frozen=True)
-class ExpertPlan:
-    ep: int
-    expert_state_bytes: float  # per device
-    all_to_all_bytes: float  # sent per device per step
-    all_to_all_seconds: float  # exposed per step
+def all_to_all_count(layout: Layout, work: Workload, rank: Rank) -> float:
+    """All-to-alls per pipeline micro-batch on `rank`: 2 per MoE block forward, 2 backward, 2 per recomputed one."""
+    shape, moe = work.shape, work.shape.moe
+    if moe is None or layout.ep == 1:
+        return 0.0
+    share = moe.layers / shape.n_layer
+    return share * (4 * rank.layers + 2 * layout.checkpointed_blocks(rank.layers))
 
 
-def recommended_ep(shape: ModelShape, work: Workload, cluster: Cluster) -> int:
-    """The smallest degree whose expert states take at most half a device (fewest, nearest all-to-all peers)."""
-    moe = shape.moe
-    assert moe is not None
-    degrees = [e for e in range(1, moe.experts + 1) if moe.experts % e == 0 and cluster.devices % e == 0]
-    fitting = [
-        e for e in degrees if plan_experts(shape, work, cluster, e).expert_state_bytes <= cluster.memory_bytes / 2
-    ]
-    return min(fitting) if fitting else max(degrees)
+def all_to_all_message(layout: Layout, work: Workload) -> float:
+    """Bytes one rank hands one all-to-all: its routed token copies of a pipeline micro-batch."""
+    shape = work.shape
+    assert shape.moe is not None
+    tokens = layout.pipeline_batch * layout.sequence(shape)
+    return tokens * shape.moe.top_k * shape.d_model * work.element_bytes
 
 
-def plan_experts(shape: ModelShape, work: Workload, cluster: Cluster, ep: int) -> ExpertPlan:
-    moe = shape.moe
-    assert moe is not None
-    element = DTYPE_BYTES[work.dtype]
-    param, grad, master = state_bytes(element, work.recipe)
-    per_param = param + grad + master + 4 * work.optimizer_slots
-    expert_params = moe.layers * moe.experts * moe.expert_params
-    tokens = work.tokens_per_step / cluster.devices
-    sent = 4 * tokens * moe.top_k * shape.d_model * element * (ep - 1) / ep * moe.layers
-    bandwidth = cluster.intra_bandwidth if ep <= cluster.devices_per_node else cluster.inter_bandwidth
-    return ExpertPlan(ep, expert_params * per_param / ep, sent, sent / bandwidth)
+def all_to_all_seconds(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> float:
+    """Seconds of expert all-to-all per pipeline micro-batch on `rank` (0 without expert parallelism)."""
+    count = all_to_all_count(layout, work, rank)
+    if not count:
+        return 0.0
+    link = cluster.link(*group_strides(layout)["ep"])
+    return count * comm.all_to_all(all_to_all_message(layout, work), layout.ep, link)
 
 
-def moe_summary(shape: ModelShape, work: Workload, cluster: Cluster) -> str | None:
-    """Lines for `paralm plan` on an MoE shape (None for a dense one)."""
+def all_to_all_bytes(layout: Layout, work: Workload) -> float:
+    """Bytes one device sends to the others by all-to-all per step (the busiest pipeline rank)."""
+    ranks = layout.critical_ranks(work.shape)
+    count = max(all_to_all_count(layout, work, r) for r in ranks)
+    if not count:
+        return 0.0
+    steps = layout.grad_accum * layout.pp_microbatches
+    return steps * count * all_to_all_message(layout, work) * (layout.ep - 1) / layout.ep
+
+
+def moe_summary(best: Prediction, work: Workload) -> str | None:
+    """Lines for `paralm plan` on an MoE shape (None for a dense one): the counts and the fastest layout's ep."""
+    shape, layout = work.shape, best.layout
     moe = shape.moe
     if moe is None:
         return None
-    plan = plan_experts(shape, work, cluster, recommended_ep(shape, work, cluster))
-    why = "the fewest ranks whose experts fit in half a device"
-    if plan.expert_state_bytes > cluster.memory_bytes / 2:
-        why = "the most there is: their experts take over half a device, since paralm does not shard them by ZeRO"
+    sharding = f", ZeRO-{layout.zero} shards each over {layout.expert_shards}" if layout.zero >= 2 else ""
     return "\n".join(
         [
             f"mixture of experts: {shape.active_params / 1e9:.3g}B active of {shape.params / 1e9:.3g}B parameters "
             f"per token ({moe.top_k}{' + 1 shared' if moe.shared else ''} of {moe.experts} experts in {moe.layers} "
             f"blocks); FLOPs per token count the active ones",
-            f"expert parallelism: parallel.ep = {plan.ep} ({why}): "
-            f"expert states "
-            f"{plan.expert_state_bytes / GiB:.2f} GiB per device, all-to-all {plan.all_to_all_bytes / GiB:.3g} GiB "
-            f"sent per device per step, {plan.all_to_all_seconds:.3g} s of it exposed",
+            f"expert parallelism in the fastest layout: parallel.ep = {layout.ep} ({moe.experts // layout.ep} of "
+            f"each block's experts per device{sharding}); all-to-all {all_to_all_bytes(layout, work) / GiB:.3g} GiB "
+            f"sent per device per step, {best.time.ep_comm_s:.3g} s, none hidden",
         ]
     )

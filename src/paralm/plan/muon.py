@@ -8,7 +8,7 @@
 - Newton-Schulz: each rank orthogonalises every whole matrix of its pipeline stages (redundantly
   under ZeRO and TP), each of `steps` iterations on X m x n (m <= n) three bf16 matmuls, X X^T (2m^2n
   FLOPs), A^2 (2m^3) and (bA + cA^2) X (2m^2n): steps * (4m^2n + 2m^3) per matrix. The MoE experts
-  count whole (an upper bound under expert parallelism, which the planner does not search).
+  count whole (an upper bound under expert parallelism, where a rank holds 1/ep of them).
 """
 
 from __future__ import annotations

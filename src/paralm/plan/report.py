@@ -25,6 +25,7 @@ LAYOUT_COLUMNS: list[Column] = [
     ("tp", lambda p: f"{p.layout.tp}{'+sp' if p.layout.sequence_parallel else ''}"),
     ("cp", lambda p: f"{p.layout.cp} {p.layout.cp_method}" if p.layout.cp > 1 else "1"),
     ("pp", lambda p: str(p.layout.pp)),
+    ("ep", lambda p: str(p.layout.ep)),
     ("schedule", lambda p: _schedule(p)),
     ("mbs", lambda p: str(p.layout.micro_batch_size)),
     ("accum", lambda p: str(p.layout.grad_accum)),
@@ -44,7 +45,12 @@ TIME_COLUMNS: list[Column] = [
     (
         "comm",
         lambda p: seconds(
-            p.time.tp_comm_s + p.time.pp_comm_s + p.time.dp_exposed_s + p.time.embedding_sync_s + p.time.cp_comm_s
+            p.time.tp_comm_s
+            + p.time.pp_comm_s
+            + p.time.dp_exposed_s
+            + p.time.embedding_sync_s
+            + p.time.cp_comm_s
+            + p.time.ep_comm_s
         ),
     ),
     ("optim", lambda p: seconds(p.time.optimizer_s)),

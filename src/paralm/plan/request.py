@@ -37,6 +37,7 @@ LAYOUT_FIELDS = (
     "parallel.pp_microbatches",
     "parallel.pp_virtual_stages",
     "parallel.pp_split",
+    "parallel.ep",
     "train.micro_batch_size",
     "train.grad_accum",
     "train.activation_checkpointing",
@@ -52,6 +53,7 @@ _NEUTRAL = {
     "parallel.cp": 1,
     "parallel.pp": 1,
     "parallel.pp_split": [],
+    "parallel.ep": 1,
     "train.grad_accum": 1,
     "train.activation_checkpointing": "none",
 }

@@ -186,7 +186,7 @@ def _layout_groups(
             if fixed.get("parallel.dp", -1) not in (-1, dp):
                 rejected[f"parallel.dp = {fixed['parallel.dp']} does not leave tp {tp} x cp {cp} x pp {pp}"] += 1
                 continue
-            for zero, replicate, shard in _shardings(fixed, dp, config):
+            for zero, replicate, shard, ep in _expert_degrees(config, fixed, _shardings(fixed, dp, config)):
                 for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
                     for schedule, v in _schedules(config, fixed, pp):
                         base = Layout(
@@ -207,6 +207,7 @@ def _layout_groups(
                             ps_servers=ps_servers,
                             cp=cp,
                             cp_method=method,
+                            ep=ep,
                         )
                         problem = layout_problem(base.apply_to(config), workers + ps_servers, ps_servers)
                         if problem:
@@ -292,6 +293,19 @@ def _shardings(fixed: dict[str, Any], dp: int, config: Config) -> Iterator[tuple
             yield from ((3, dp // s, s) for s in _divisors(dp) if s > 1 or dp == 1)
         else:
             yield zero, 1, dp
+
+
+def _expert_degrees(
+    config: Config, fixed: dict[str, Any], shardings: Iterator[tuple[int, int, int]]
+) -> Iterator[tuple[int, int, int, int]]:
+    """Each sharding with every expert-parallel degree: the divisors of `dp_shard` that divide the experts
+    (1 for a dense model); which of them compose with the rest is for the rules to say."""
+    experts = config.model.moe_experts
+    for zero, replicate, shard in shardings:
+        degrees = [e for e in _divisors(shard) if experts and experts % e == 0] or [1]
+        for ep in _choices(fixed, "parallel.ep", degrees):
+            if shard % ep == 0:  # a fixed degree must divide dp_shard too (`paralm.config.dims`)
+                yield zero, replicate, shard, ep
 
 
 def _schedules(config: Config, fixed: dict[str, Any], pp: int) -> Iterator[tuple[str, int]]:

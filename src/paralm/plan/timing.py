@@ -32,6 +32,7 @@ Stated assumptions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paralm.models.shape import ModelShape
@@ -39,7 +40,8 @@ from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster, Link
 from paralm.plan.context import context_parallel_times
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
-from paralm.plan.memory import STATE_RECIPES, rank_params
+from paralm.plan.memory import STATE_RECIPES, block_params, rank_expert_params, rank_params, sharded_params
+from paralm.plan.moe import all_to_all_seconds
 from paralm.plan.muon import muon_seconds
 
 
@@ -55,6 +57,7 @@ class StepTime:
     optimizer_s: float
     dp_comm_s: float = 0.0  # all data-parallel traffic time, hidden or not (not part of the total)
     cp_comm_s: float = 0.0  # context parallelism's traffic not hidden behind attention
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls (dispatch and combine), none hidden
 
     @property
     def total(self) -> float:
@@ -68,6 +71,7 @@ class StepTime:
             + self.embedding_sync_s
             + self.optimizer_s
             + self.cp_comm_s
+            + self.ep_comm_s
         )
 
 
@@ -102,6 +106,7 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         float8=work.float8,
         compiled=work.compiled,
         attention_kernel=work.attention_kernel,
+        ep=layout.ep,
     )
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e, c) if rank.has_head else 0.0
     recomputed = layout.checkpointed_blocks(rank.layers)
@@ -150,8 +155,9 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
     backward = mb.r + mb.b_in + mb.w + mb.tp_b + mb.cp_b + send
     bubble = layout.schedule.bubble(p, v, m, forward, backward, mb.w)
 
-    params = max(rank_params(shape, layout, r) for r in ranks)
-    dp_total, dp_exposed = _data_parallel(layout, work, cluster, params, forward * m, backward, overlap)
+    busiest = max(ranks, key=lambda r: rank_params(shape, layout, r))
+    params, experts = rank_params(shape, layout, busiest), rank_expert_params(shape, layout, busiest)
+    dp_total, dp_exposed = _data_parallel(layout, work, cluster, (params, experts), forward * m, backward, overlap)
     return StepTime(
         compute_s=ga * m * (mb.f + mb.b_in + mb.w),
         recompute_s=ga * m * mb.r,
@@ -160,9 +166,10 @@ def step_time(layout: Layout, work: Workload, cluster: Cluster, *, overlap: bool
         pp_comm_s=ga * m * 2 * send,
         dp_exposed_s=dp_exposed,
         embedding_sync_s=_embedding_sync(layout, work, cluster),
-        optimizer_s=_optimizer(layout, work, cluster, params),
+        optimizer_s=_optimizer(layout, work, cluster, params, experts),
         dp_comm_s=dp_total,
         cp_comm_s=ga * m * (mb.cp_f + mb.cp_b),
+        ep_comm_s=ga * m * max(all_to_all_seconds(layout, work, cluster, r) for r in ranks),
     )
 
 
@@ -179,18 +186,33 @@ def _sequence_parallel_norms(layout: Layout, work: Workload, cluster: Cluster) -
 
 
 def _data_parallel(
-    layout: Layout, work: Workload, cluster: Cluster, params: float, forward: float, backward: float, overlap: bool
+    layout: Layout,
+    work: Workload,
+    cluster: Cluster,
+    held: tuple[float, float],
+    forward: float,
+    backward: float,
+    overlap: bool,
 ) -> tuple[float, float]:
     """(all, exposed) seconds of gradient reduction and parameter gathering per step.
 
-    `forward` is one micro-step's forward on this rank, `backward` one pipeline micro-batch's backward:
-    the windows communication can hide behind.
+    `held` is the rank's (parameters, routed experts among them); `forward` is one micro-step's forward on
+    this rank, `backward` one pipeline micro-batch's backward: the windows communication can hide behind.
+    With expert parallelism the experts' collectives run over the ranks holding the same experts (`edp`).
     """
+    params, experts = held
     groups = group_strides(layout)
     dp_n, shard_n, replicate_n = groups["dp"][0], groups["dp_shard"][0], groups["dp_replicate"][0]
     dp_link = cluster.link(*groups["dp"])
     shard_link, replicate_link = cluster.link(*groups["dp_shard"]), cluster.link(*groups["dp_replicate"])
-    grads = params * DTYPE_BYTES[work.reduce_dtype]
+    grads, reduce_bytes = params * DTYPE_BYTES[work.reduce_dtype], DTYPE_BYTES[work.reduce_dtype]
+
+    def over_shards(collective: Callable[[float, int, Link], float], per_param: float) -> float:
+        """`collective` of `per_param` bytes per parameter held, the experts over their own group with ep."""
+        if layout.ep == 1:
+            return collective(per_param * params, shard_n, shard_link)
+        dense = collective(per_param * (params - experts), shard_n, shard_link)
+        return dense + collective(per_param * experts, groups["edp"][0], cluster.link(*groups["edp"]))
 
     def exposed(seconds: float, window: float, floor: float = 0.0) -> float:
         if not overlap:
@@ -204,23 +226,28 @@ def _data_parallel(
         t = comm.all_reduce(params * 4, dp_n, dp_link) / work.local_steps
         return t, t
     if layout.zero == 0:
-        t = _gradient_all_reduce(work, params, dp_n, dp_link)
+        if layout.ep == 1:
+            t = _gradient_all_reduce(work, params, dp_n, dp_link)
+        else:  # each expert's gradient is summed over the dp / ep ranks holding it
+            t = _gradient_all_reduce(work, params - experts, dp_n, dp_link)
+            t += _gradient_all_reduce(work, experts, dp_n // layout.ep, dp_link)
         return t, exposed(t, backward, t * min(1.0, work.bucket_bytes / grads))
     # Sharded: reduce-scatter in the shard group, all-reduce of the shard across replicas (HSDP).
-    reduce = comm.reduce_scatter(grads, shard_n, shard_link) + comm.all_reduce(
-        grads / shard_n, replicate_n, replicate_link
+    shard = sharded_params(params, experts, layout)
+    reduce = over_shards(comm.reduce_scatter, reduce_bytes) + comm.all_reduce(
+        shard * reduce_bytes, replicate_n, replicate_link
     )
     if layout.zero in (1, 2):
         param_bytes = STATE_RECIPES[work.recipe][0] if work.element_bytes < 4 else 4
-        gather = comm.all_gather(params * param_bytes, shard_n, shard_link)
+        gather = over_shards(comm.all_gather, param_bytes)
         if layout.zero == 1:  # paralm.sync.zero1: after backward, so nothing overlaps
             return reduce + gather, reduce + gather + _shard_copies(cluster, params * param_bytes, grads, shard_n)
         # Keeping only a gradient shard means reducing after every micro-step (paper sec. 5.2).
         reductions = layout.grad_accum if layout.zero == 2 and work.sharded_accumulation else 1
         copies = _shard_copies(cluster, params * param_bytes, reductions * grads, shard_n)
         return reductions * reduce + gather, reductions * exposed(reduce, backward) + gather + copies
-    gather = comm.all_gather(params * work.element_bytes, shard_n, shard_link)
-    first_block = comm.all_gather(work.shape.layer_params / layout.tp * work.element_bytes, shard_n, shard_link)
+    gather = over_shards(comm.all_gather, work.element_bytes)
+    first_block = comm.all_gather(block_params(work.shape, layout) * work.element_bytes, shard_n, shard_link)
     # Gather for forward, again for backward (with a pipeline parameters stay gathered through the
     # micro-step's pipeline micro-batches); reduce-scatter once per step unless accumulation is sharded.
     gathers = 2 if layout.pp == 1 else 1
@@ -285,13 +312,13 @@ def optimizer_bytes_per_param(dtype: str, recipe: str, optimizer_slots: float) -
     return 2 * grad + (master or param) + slots + slots + master + param
 
 
-def _optimizer(layout: Layout, work: Workload, cluster: Cluster, params: float) -> float:
+def _optimizer(layout: Layout, work: Workload, cluster: Cluster, params: float, experts: float) -> float:
     """The optimizer step over this device's shard (the servers' shards with a parameter server),
     memory-bound: its bytes over the device's memory bandwidth."""
     if layout.ps_servers:
         elements = work.shape.params / layout.ps_servers
     else:
-        elements = params / (layout.shards if layout.zero >= 1 else 1)
+        elements = sharded_params(params, experts, layout) if layout.zero >= 1 else params
     return (
         elements * optimizer_bytes_per_param(work.dtype, work.recipe, work.optimizer_slots) / cluster.memory_bandwidth
         + muon_seconds(layout, work, cluster)  # Muon's gathers and Newton-Schulz (`paralm.plan.muon`)
