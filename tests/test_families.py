@@ -71,26 +71,25 @@ def test_the_window_composes_with_packed_documents():
 
 
 def test_qwen3_moe_with_norm_topk_prob_is_exact_and_the_renormalisation_matters():
-    """Every block MoE, the chosen experts' weights renormalised (as Qwen3-30B-A3B); transformers' module
-    holds its experts stacked, which import takes too. Without `moe_norm_topk` the logits move."""
-    theirs, config, ours = _far_from_init("qwen3_moe", **(QWEN3_MOE | dict(norm_topk_prob=True, decoder_sparse_step=1)))
-    assert (config.moe_norm_topk, config.moe_every, config.moe_hidden, config.qk_norm) == (True, 1, 40, True)
+    """The chosen experts' weights renormalised (as Qwen3-30B-A3B), block 0 dense by `mlp_only_layers`
+    (`moe_first_dense`); transformers' module holds its experts stacked, which import takes too. Without
+    `moe_norm_topk` the logits move."""
+    fields = QWEN3_MOE | dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
+    theirs, config, ours = _far_from_init("qwen3_moe", **fields)
+    assert (config.moe_norm_topk, config.moe_every, config.moe_first_dense, config.moe_hidden) == (True, 1, 1, 40)
     with torch.no_grad():
         expected = theirs(X).logits
         assert (expected - ours(X)).abs().max().item() <= LOGIT_TOLERANCE
         assert (expected - _without(ours, moe_norm_topk=False)(X)).abs().max().item() > 1e-3
     hf = SPEC.hf.config_to_hf(config)
-    assert (hf["architectures"], hf["norm_topk_prob"], hf["moe_intermediate_size"]) == (
-        ["Qwen3MoeForCausalLM"],
-        True,
-        40,
-    )
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (hf["norm_topk_prob"], hf["moe_intermediate_size"], hf["mlp_only_layers"]) == (True, 40, [0])
 
 
 @pytest.mark.parametrize(
     "fields, fragment",
     [
-        (dict(mlp_only_layers=[1]), "mlp_only_layers = [1]"),  # block 1 dense, which decoder_sparse_step 1 makes MoE
+        (dict(mlp_only_layers=[1]), "mlp_only_layers = [1]"),  # block 1 dense but not block 0: no leading run
         (dict(num_experts_per_tok=1, norm_topk_prob=True), "norm_topk_prob = true with num_experts_per_tok = 1"),
         (dict(use_sliding_window=True, sliding_window=16), "sliding_window = 16"),
     ],
@@ -106,7 +105,8 @@ def test_qwen3_moe_settings_paralm_does_not_compute_are_refused_in_one_line(fiel
 
 def test_mlp_only_layers_the_step_rule_already_makes_dense_import():
     hf = transformers.Qwen3MoeConfig(**(ODD | QWEN3_MOE | dict(mlp_only_layers=[0]))).to_dict()
-    assert SPEC.hf.config_from_hf(hf, "config.json")["moe_every"] == 2
+    fields = SPEC.hf.config_from_hf(hf, "config.json")
+    assert (fields["moe_every"], fields["moe_first_dense"]) == (2, 0)
 
 
 WINDOWED = ["--model.family=llama", "--model.d_model=32", "--model.n_head=4", "--model.sliding_window=8"]

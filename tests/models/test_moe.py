@@ -118,6 +118,10 @@ def test_moe_settings_that_cannot_run_are_one_line_errors() -> None:
         check_moe(ModelConfig(moe_experts=4, moe_top_k=5))
     with pytest.raises(UserError, match="moe_score"):
         check_moe(ModelConfig(moe_experts=4, moe_score="relu"))
+    with pytest.raises(UserError, match="moe_groups"):  # groups of one expert have no top-2 to rank them by
+        check_moe(ModelConfig(moe_experts=4, moe_groups=4))
+    with pytest.raises(UserError, match="moe_topk_groups"):  # one group of 2 cannot hold top-3
+        check_moe(ModelConfig(moe_experts=4, moe_top_k=3, moe_groups=2, moe_topk_groups=1))
 
 
 BALANCE_STEPS = 50  # the figure docs/strategies.md states

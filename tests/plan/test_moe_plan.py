@@ -102,5 +102,6 @@ def test_the_search_prices_every_expert_degree_and_picks_one_for_mixtral():
     assert best.layout.ep == 8 and best.memory.total <= cluster.memory_bytes
     replicated = evaluate(dataclasses.replace(best.layout, ep=1), work, cluster)
     assert replicated.time.total > best.time.total
-    assert "parallel.ep = 8" in moe_summary(best, work)
-    assert moe_summary(best, Workload.from_config(load_config("configs/tiny.toml"), 8, "fp32-master")) is None
+    assert "parallel.ep = 8" in moe_summary(best.layout, work, best.time.ep_comm_s)
+    dense = Workload.from_config(load_config("configs/tiny.toml"), 8, "fp32-master")
+    assert moe_summary(best.layout, dense, 0.0) is None

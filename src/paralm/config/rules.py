@@ -105,6 +105,11 @@ def check_model_parallel_layout(config: Config) -> None:
             raise UserError(f"parallel.{name} = {getattr(p, name)} must be at least 1")
     if p.pp_microbatches < 0:
         raise UserError(f"parallel.pp_microbatches = {p.pp_microbatches} must be positive (or 0: parallel.pp)")
+    for name in model_spec(m).unsupported:
+        if getattr(p, name) > 1:
+            raise UserError(
+                f"parallel.{name} > 1 is not supported by model.family = {m.family!r}: set parallel.{name} = 1"
+            )
     _check_tensor_parallel(config)
     check_context_parallel(config)
     if p.zero == 1 and p.tp * p.pp > 1:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class ModelConfig:
     """The model's family and shape; each family's module reads the fields it has."""
 
-    family: str = field(default="gpt2", metadata={"help": "model family: gpt2 or llama (paralm.models.registry)"})
+    family: str = field(
+        default="gpt2", metadata={"help": "model family: gpt2, llama or deepseek (paralm.models.registry)"}
+    )
     n_layer: int = field(default=4, metadata={"help": "transformer blocks"})
     n_head: int = field(default=4, metadata={"help": "attention heads"})
     d_model: int = field(default=128, metadata={"help": "embedding width"})
@@ -47,7 +49,6 @@ class ModelConfig:
         default=0, metadata={"help": "routed experts per MoE feed-forward (0: dense feed-forwards)"}
     )
     moe_top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
-    moe_hidden: int = field(default=0, metadata={"help": "llama: SwiGLU width of each routed expert (0: ffn_hidden)"})
     moe_norm_topk: bool = field(
         default=True, metadata={"help": "renormalise the chosen experts' weights to sum to 1 (top-k > 1, or sigmoid)"}
     )
@@ -62,6 +63,26 @@ class ModelConfig:
     )
     moe_bias_rate: float = field(default=1e-3, metadata={"help": "loss-free balancing: bias update per step"})
     moe_z_loss: float = field(default=0.0, metadata={"help": "coefficient of the router z-loss (ST-MoE)"})
+    moe_first_dense: int = field(default=0, metadata={"help": "the first k blocks keep a dense feed-forward"})
+    moe_hidden: int = field(
+        default=0, metadata={"help": "llama, deepseek: each routed and shared expert's width (0: model.ffn_hidden's)"}
+    )
+    moe_routed_scale: float = field(
+        default=1.0, metadata={"help": "factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor)"}
+    )
+    moe_groups: int = field(default=1, metadata={"help": "expert groups for group-limited routing (DeepSeek-V3)"})
+    moe_topk_groups: int = field(
+        default=1, metadata={"help": "groups each token's experts come from, the best by their top-2 scores"}
+    )
+    q_lora_rank: int = field(default=0, metadata={"help": "deepseek: rank of the query's low-rank path (0: none)"})
+    kv_lora_rank: int = field(default=0, metadata={"help": "deepseek: width of the compressed key/value latent"})
+    qk_nope_head_dim: int = field(
+        default=0, metadata={"help": "deepseek: query/key width per head without RoPE (0: d_model / n_head)"}
+    )
+    qk_rope_head_dim: int = field(
+        default=0, metadata={"help": "deepseek: query/key width per head with RoPE (the key's is shared by heads)"}
+    )
+    v_head_dim: int = field(default=0, metadata={"help": "deepseek: value width per head (0: d_model / n_head)"})
     moe_capacity: float = field(
         default=0.0, metadata={"help": "capacity factor: tokens over it are dropped and counted (0: dropless)"}
     )

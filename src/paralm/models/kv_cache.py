@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 
 class LayerCache:
-    """One layer's keys and values (batch, kv_heads, length, head_dim), grown in place up to `capacity`."""
+    """One layer's keys and values (batch, kv_heads, length, their widths), grown in place up to `capacity`."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -24,8 +24,8 @@ class LayerCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep `k` and `v` after what is kept; return everything kept, the new entries included."""
         if self.keys is None:
-            shape = (*k.shape[:2], self.capacity, k.shape[-1])
-            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            shape = (*k.shape[:2], self.capacity)  # keys and values may differ in width (DeepSeek's MLA)
+            self.keys, self.values = k.new_empty(*shape, k.shape[-1]), v.new_empty(*shape, v.shape[-1])
         end = self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; {end} asked")

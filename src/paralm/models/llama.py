@@ -136,12 +136,14 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    block_type: type[nn.Module] = Block  # a family with other blocks (DeepSeek's) subclasses with its own
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
+        self.layers = nn.ModuleDict({str(i): self.block_type(config, i) for i in range(config.n_layer)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -29,6 +29,9 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """The fields a Mixtral `config.json` has besides a Llama's, or a one-line refusal."""
     refused = {
         "model.moe_every": (c.moe_every, 1),
+        "model.moe_first_dense": (c.moe_first_dense, 0),
+        "model.moe_groups": (c.moe_groups, 1),
+        "model.moe_routed_scale": (c.moe_routed_scale, 1.0),
         "model.moe_shared_expert": (c.moe_shared_expert, False),
         "model.moe_score": (c.moe_score, "softmax"),
         "model.moe_bias_balance": (c.moe_bias_balance, False),

@@ -36,8 +36,9 @@ RESIDUAL = ("experts.w2", "shared.w2")  # output projections: the families scale
 
 
 def is_moe_block(config: ModelConfig, index: int) -> bool:
-    """Whether block `index` has an MoE feed-forward: every `moe_every`-th block, counting from 1."""
-    return config.moe_experts > 0 and (index + 1) % config.moe_every == 0
+    """Whether block `index` has an MoE feed-forward: every `moe_every`-th block, counting from 1, past the
+    first `moe_first_dense` (DeepSeek-V3's first_k_dense_replace)."""
+    return config.moe_experts > 0 and index >= config.moe_first_dense and (index + 1) % config.moe_every == 0
 
 
 def moe_shape(
@@ -79,9 +80,17 @@ def check_moe(config: ModelConfig) -> None:
         raise UserError(f"model.moe_every = {config.moe_every} must be at least 1")
     if config.moe_score not in ("softmax", "sigmoid"):
         raise UserError(f"model.moe_score = {config.moe_score!r} must be 'softmax' or 'sigmoid'")
-    for name in ("moe_aux_loss", "moe_z_loss", "moe_capacity", "moe_bias_rate"):
+    for name in ("moe_aux_loss", "moe_z_loss", "moe_capacity", "moe_bias_rate", "moe_first_dense"):
         if getattr(config, name) < 0:
             raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
+    groups, per_group = config.moe_groups, config.moe_experts // max(config.moe_groups, 1)
+    if groups < 1 or config.moe_experts % groups or (groups > 1 and per_group < 2):
+        raise UserError(f"model.moe_groups = {groups} must divide model.moe_experts into groups of 2 or more")
+    if not 1 <= config.moe_topk_groups <= groups or config.moe_topk_groups * per_group < config.moe_top_k:
+        raise UserError(
+            f"model.moe_topk_groups = {config.moe_topk_groups} must be between 1 and model.moe_groups and its "
+            f"groups must hold model.moe_top_k = {config.moe_top_k} experts"
+        )
 
 
 _recomputing = [False]  # a block's forward replayed by activation checkpointing (one process, one flag)
@@ -156,11 +165,22 @@ class MoE(nn.Module):
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()
         choice = scores + self.expert_bias if c.moe_bias_balance else scores
+        if c.moe_groups > 1:
+            choice = self._best_groups(choice)
         chosen = choice.topk(c.moe_top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if c.moe_norm_topk and (c.moe_top_k > 1 or c.moe_score == "sigmoid"):  # Mixtral's, DeepSeek-V3's
             weights = weights / weights.sum(-1, keepdim=True)
-        return logits, scores, chosen, weights
+        return logits, scores, chosen, weights * c.moe_routed_scale
+
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3): experts outside each token's `moe_topk_groups` groups, ranked
+        by the sum of their two best choice scores, set to -inf."""
+        c = self.config
+        grouped = choice.view(choice.shape[0], c.moe_groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(c.moe_topk_groups, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape

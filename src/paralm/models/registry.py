@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from paralm.errors import UserError
-from paralm.models import gpt2_spec, llama_spec
+from paralm.models import deepseek_spec, gpt2_spec, llama_spec
 from paralm.models.config import ModelConfig
 from paralm.models.shape import ModelShape
 from paralm.models.spec import ModelSpec
 
-FAMILIES: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt2_spec.SPEC, llama_spec.SPEC)}
+FAMILIES: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt2_spec.SPEC, llama_spec.SPEC, deepseek_spec.SPEC)}
 
 
 def model_spec(config: ModelConfig) -> ModelSpec:

@@ -102,6 +102,8 @@ class ModelSpec:
     hf: HFMapping
     # each block's residual branches, whose linear layers compression prunes and quantizes
     branches: tuple[Branch, ...]
+    # the parallel degrees ("tp", "pp", "cp") the family has no plan for: the config rules refuse them > 1
+    unsupported: tuple[str, ...] = ()
 
 
 def tied_parameters(model: nn.Module, spec: ModelSpec) -> dict[str, str]:

@@ -106,7 +106,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
     print(error_line())
-    if experts := moe_summary(plans[0], work):
+    if experts := moe_summary(plans[0].layout, work, plans[0].time.ep_comm_s):
         print(experts)
     if muon := muon_summary(work, cluster):
         print(muon)

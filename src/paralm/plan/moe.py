@@ -14,14 +14,9 @@ parallelism (`parallel.ep`, a searched dim) costs and saves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from paralm.plan import comm
 from paralm.plan.cluster import Cluster
 from paralm.plan.layout import Layout, Rank, Workload, group_strides
-
-if TYPE_CHECKING:
-    from paralm.plan.search import Prediction
 
 GiB = 2**30
 
@@ -62,9 +57,10 @@ def all_to_all_bytes(layout: Layout, work: Workload) -> float:
     return steps * count * all_to_all_message(layout, work) * (layout.ep - 1) / layout.ep
 
 
-def moe_summary(best: Prediction, work: Workload) -> str | None:
-    """Lines for `paralm plan` on an MoE shape (None for a dense one): the counts and the fastest layout's ep."""
-    shape, layout = work.shape, best.layout
+def moe_summary(layout: Layout, work: Workload, all_to_all_s: float) -> str | None:
+    """Lines for `paralm plan` on an MoE shape (None for a dense one): the counts and the fastest layout's ep
+    (`all_to_all_s`: its all-to-all seconds per step)."""
+    shape = work.shape
     moe = shape.moe
     if moe is None:
         return None
@@ -76,6 +72,6 @@ def moe_summary(best: Prediction, work: Workload) -> str | None:
             f"blocks); FLOPs per token count the active ones",
             f"expert parallelism in the fastest layout: parallel.ep = {layout.ep} ({moe.experts // layout.ep} of "
             f"each block's experts per device{sharding}); all-to-all {all_to_all_bytes(layout, work) / GiB:.3g} GiB "
-            f"sent per device per step, {best.time.ep_comm_s:.3g} s, none hidden",
+            f"sent per device per step, {all_to_all_s:.3g} s, none hidden",
         ]
     )

@@ -1,0 +1,219 @@
+"""paralm's DeepSeek family as Hugging Face's `DeepseekV3ForCausalLM`, both ways.
+
+Export writes DeepSeek's released layout: one tensor per routed expert (`mlp.experts.{j}.gate_proj.weight`,
+which transformers stacks on load), `rope_interleave = True` with the RoPE rows of the query and of the
+shared key permuted from paralm's `rotate_half` pairs (i, i + r/2) to interleaved pairs (2i, 2i + 1), no
+multi-token-prediction layers. Import takes that layout, or the stacked one of transformers' module
+(`mlp.experts.gate_up_proj`: gate then up; `down_proj`), and keeps the loss-free balancing bias
+(`e_score_correction_bias`). Settings the two do not compute alike are refused in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from paralm.errors import UserError
+from paralm.models.config import ModelConfig
+from paralm.models.deepseek import expert_hidden, mla_dims
+from paralm.models.llama import ffn_hidden
+from paralm.models.moe import is_moe_block
+from paralm.models.spec import StateDict, refuse_differences
+
+_SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+_ROTATED = ("attention.wq.weight", "attention.wkv_a.weight")  # rows end with each head's RoPE part
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """`config.json`'s fields, or a one-line refusal of a setting DeepseekV3 does not compute."""
+    refused = {
+        "model.moe_score": (c.moe_score, "sigmoid"),
+        "model.moe_shared_expert": (c.moe_shared_expert, True),
+        "model.moe_every": (c.moe_every, 1),
+        "model.moe_capacity": (c.moe_capacity, 0.0),
+    }
+    for name, (got, needed) in refused.items():
+        if got != needed:
+            raise UserError(
+                f"{name} = {got!r}: Hugging Face DeepseekV3 needs {needed!r}, so this model does not export"
+            )
+    nope, rope, value = mla_dims(c)
+    return dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=ffn_hidden(c),
+        moe_intermediate_size=expert_hidden(c),
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_head,
+        n_shared_experts=1,
+        n_routed_experts=c.moe_experts,
+        num_experts_per_tok=c.moe_top_k,
+        routed_scaling_factor=c.moe_routed_scale,
+        n_group=c.moe_groups,
+        topk_group=c.moe_topk_groups,
+        first_k_dense_replace=c.moe_first_dense,
+        norm_topk_prob=True,
+        q_lora_rank=c.q_lora_rank or None,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=value,
+        hidden_act="silu",
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        rope_interleave=True,
+        attention_bias=False,
+        attention_dropout=c.dropout,
+        num_nextn_predict_layers=0,
+    )
+
+
+def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `[model]` fields of a DeepseekV3 `config.json`, or a one-line refusal."""
+    heads = hf.get("num_attention_heads", 128)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    refuse_differences(
+        source,
+        "DeepSeek",
+        {
+            "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+            "attention_bias": (hf.get("attention_bias", False), False),
+            "num_key_value_heads": (hf.get("num_key_value_heads") or heads, heads),
+            "n_shared_experts": (hf.get("n_shared_experts", 1), 1),
+            "norm_topk_prob": (hf.get("norm_topk_prob", True), True),
+            "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default"),
+            "rope_interleave": (hf.get("rope_interleave", True), True),
+            "scoring_func": (hf.get("scoring_func", "sigmoid"), "sigmoid"),
+        },
+    )
+    return dict(
+        family="deepseek",
+        n_layer=hf.get("num_hidden_layers", 61),
+        n_head=heads,
+        d_model=hf.get("hidden_size", 7168),
+        block_size=hf.get("max_position_embeddings", 4096),
+        vocab_size=hf.get("vocab_size", 129280),
+        dropout=float(hf.get("attention_dropout", 0.0)),
+        ffn_hidden=hf.get("intermediate_size", 18432),
+        moe_hidden=hf.get("moe_intermediate_size", 2048),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf.get("kv_lora_rank", 512),
+        qk_nope_head_dim=hf.get("qk_nope_head_dim", 128),
+        qk_rope_head_dim=hf.get("qk_rope_head_dim", 64),
+        v_head_dim=hf.get("v_head_dim", 128),
+        moe_experts=hf.get("n_routed_experts", 256),
+        moe_top_k=hf.get("num_experts_per_tok", 8),
+        moe_first_dense=hf.get("first_k_dense_replace", 3),
+        moe_groups=hf.get("n_group") or 1,
+        moe_topk_groups=hf.get("topk_group") or 1,
+        moe_routed_scale=float(hf.get("routed_scaling_factor", 2.5)),
+        moe_shared_expert=True,
+        moe_score="sigmoid",
+        moe_bias_balance=True,
+    )
+
+
+def _pairs(c: ModelConfig) -> list[tuple[str, int | None, str]]:
+    """(paralm name, expert index or None, HF name) of every tensor `save_pretrained` writes."""
+    pairs: list[tuple[str, int | None, str]] = [
+        ("tok_embeddings.weight", None, "model.embed_tokens.weight"),
+        ("norm.weight", None, "model.norm.weight"),
+    ]
+    if not c.tie_embeddings:
+        pairs.append(("output.weight", None, "lm_head.weight"))
+    query = (
+        (("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq", "q_b_proj"))
+        if c.q_lora_rank
+        else (("wq", "q_proj"),)
+    )
+    attention = (*query, ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"))
+    for i in range(c.n_layer):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        pairs += [(p + "attention_norm.weight", None, h + "input_layernorm.weight")]
+        pairs += [(p + "ffn_norm.weight", None, h + "post_attention_layernorm.weight")]
+        pairs += [(f"{p}attention.{ours}.weight", None, f"{h}self_attn.{hf}.weight") for ours, hf in attention]
+        pairs += [(p + "attention.wo.weight", None, h + "self_attn.o_proj.weight")]
+        if not is_moe_block(c, i):
+            pairs += [(f"{p}feed_forward.{ours}.weight", None, f"{h}mlp.{hf}.weight") for ours, hf in _SWIGLU]
+            continue
+        pairs += [(p + "feed_forward.gate.weight", None, h + "mlp.gate.weight")]
+        pairs += [(p + "feed_forward.expert_bias", None, h + "mlp.gate.e_score_correction_bias")]
+        pairs += [(f"{p}feed_forward.shared.{ours}", 0, f"{h}mlp.shared_experts.{hf}.weight") for ours, hf in _SWIGLU]
+        pairs += [
+            (f"{p}feed_forward.experts.{ours}", j, f"{h}mlp.experts.{j}.{hf}.weight")
+            for j in range(c.moe_experts)
+            for ours, hf in _SWIGLU
+        ]
+    return pairs
+
+
+def _interleave(name: str, w: torch.Tensor, c: ModelConfig, inverse: bool) -> torch.Tensor:
+    """`w` with the RoPE rows of each head (q) or of the shared key (wkv_a) permuted from `rotate_half` pairs
+    to interleaved ones (back, with `inverse`); other tensors as they are."""
+    if not name.endswith(_ROTATED):
+        return w
+    nope, rope, _ = mla_dims(c)
+    before = nope if name.endswith("wq.weight") else c.kv_lora_rank
+    order = torch.arange(rope).view(2, -1).t().flatten()  # interleaved row 2i + s holds paralm's row i + s * r/2
+    if inverse:
+        order = order.argsort()
+    rows = w.view(-1, before + rope, w.shape[-1])
+    return torch.cat((rows[:, :before], rows[:, before:][:, order]), dim=1).view_as(w)
+
+
+def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+    """The tensors `DeepseekV3ForCausalLM.save_pretrained` writes; a zero bias where paralm routes without it."""
+    out = {}
+    for ours, j, theirs in _pairs(config):
+        w = sd[ours] if j is None else sd[ours][j]
+        if ours.endswith("expert_bias") and not config.moe_bias_balance:
+            w = torch.zeros_like(w)
+        out[theirs] = _interleave(ours, w, config, inverse=False).detach().contiguous()
+    return out
+
+
+def _unstacked(hf: StateDict) -> StateDict:
+    """`hf` with transformers' stacked experts (`gate_up_proj`, `down_proj`) as one tensor per expert."""
+    out = {k: v for k, v in hf.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    for key in set(hf) - set(out):
+        prefix = key.rsplit(".", 1)[0]
+        if key.endswith("gate_up_proj"):
+            for j, (gate, up) in enumerate(t.chunk(2) for t in hf[key]):
+                out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate, up
+        else:
+            out |= {f"{prefix}.{j}.down_proj.weight": t for j, t in enumerate(hf[key])}
+    return out
+
+
+def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+    """paralm's state dict from DeepseekV3 weights (the inverse of `to_hf`)."""
+    hf = _unstacked({k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")})
+    pairs = _pairs(config)
+    expected = {theirs for _, _, theirs in pairs}
+    missing = sorted(expected - set(hf))
+    if missing:
+        raise UserError(f"{source}: missing weights ({', '.join(missing[:3])}...): not a DeepseekV3 paralm can load")
+    extra = sorted(set(hf) - expected - ({"lm_head.weight"} if config.tie_embeddings else set()))
+    if extra:
+        raise UserError(f"{source}: weights paralm's DeepSeek has no place for: {', '.join(extra[:3])}")
+    out: StateDict = {}
+    stacks: dict[str, list[torch.Tensor]] = {}
+    for ours, j, theirs in pairs:
+        w = _interleave(ours, hf[theirs], config, inverse=True)
+        if j is None:
+            out[ours] = w
+        else:
+            stacks.setdefault(ours, []).append(w)
+    out |= {name: torch.stack(ws) for name, ws in stacks.items()}
+    if config.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return {k: v.float().contiguous() for k, v in out.items()}

@@ -1,0 +1,125 @@
+"""DeepSeek's spec: closed-form counts, the checks on its shape, pipeline parts and Hugging Face mapping.
+
+It composes with data parallelism (DDP, ZeRO; FSDP wraps each block, as Llama's) and expert parallelism,
+which need nothing of a family but its blocks and MoE layers. Multi-head latent attention has no
+tensor-parallel plan here, and pipeline and context parallelism are untested with it: the config rules
+refuse parallel.tp, pp and cp > 1 for this family (`ModelSpec.unsupported`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from paralm.errors import UserError
+from paralm.models import deepseek_hf
+from paralm.models.config import ModelConfig
+from paralm.models.deepseek import DeepSeek, expert_hidden, mla_dims
+from paralm.models.llama import TIED, ffn_hidden
+from paralm.models.moe import moe_shape
+from paralm.models.shape import ModelShape
+from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion
+
+
+def _attention_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
+    """MLA's matrices (rows, columns, 1): the query path, wkv_a, wkv_b and wo."""
+    d, heads, rank = c.d_model, c.n_head, c.q_lora_rank
+    nope, rope, value = mla_dims(c)
+    query = ((rank, d, 1), (heads * (nope + rope), rank, 1)) if rank else ((heads * (nope + rope), d, 1),)
+    latent = ((c.kv_lora_rank + rope, d, 1), (heads * (nope + value), c.kv_lora_rank, 1))
+    return (*query, *latent, (d, heads * value, 1))
+
+
+def shape(config: ModelConfig) -> ModelShape:
+    """DeepSeek's counts. The latent matrices (wq's after a low-rank path, wkv_b) have no d_model side;
+    `layer_matrices` lists them all the same, as FLOPs match (rows x columns / d_model wide)."""
+    d, n, vocab, heads = config.d_model, config.n_layer, config.vocab_size, config.n_head
+    nope, rope, value = mla_dims(config)
+    hidden, experts = ffn_hidden(config), expert_hidden(config)
+    head = ((vocab, d, 1),) if not config.tie_embeddings else ()
+    dense = ((hidden, d, 2), (d, hidden, 1))
+    layer = (*_attention_matrices(config), *dense)
+    moe = moe_shape(config, ((experts, d, 2), (d, experts, 1)), dense_ffn_params=3 * d * hidden)
+    return ModelShape(
+        n_layer=n,
+        n_head=heads,
+        n_kv_heads=heads,
+        d_model=d,
+        block_size=config.block_size,
+        vocab_size=vocab,
+        layer_matrix_params=sum(r * c * k for r, c, k in layer),
+        layer_column_bias_params=0,
+        layer_replicated_params=2 * d + config.q_lora_rank + config.kv_lora_rank,  # block and latent norms
+        final_norm_params=d,
+        embedding_params=vocab * d,
+        head_params=0 if config.tie_embeddings else vocab * d,
+        position_params=0,
+        matrices=((vocab, d, 1), *head, *((r, c, k * n) for r, c, k in layer)),
+        layer_matrices=layer,
+        # the latent and shared key, each head's q, k and v, and the output projection's input
+        attention_saved=d + config.kv_lora_rank + rope + heads * (2 * (nope + rope) + 2 * value),
+        mlp_saved=4 * hidden,
+        mlp_grads=3 * hidden,
+        mlp_traffic=5 * hidden,
+        rotary_width=(heads + 1) * rope,
+        elementwise_kernels=14 + 2 * (8 + 10) + 1,  # Llama's, with the latent norms and q/k concatenations
+        moe=replace(moe, dense_ffn_matrices=dense) if moe else None,
+        mlp_fused=3 * hidden,
+    )
+
+
+def check(config: ModelConfig) -> None:
+    """Shapes MLA cannot take, each a one-line error."""
+    _, rope, _ = mla_dims(config)
+    if rope <= 0 or rope % 2:
+        raise UserError(f"model.qk_rope_head_dim = {rope} must be a positive even number: RoPE rotates pairs")
+    if config.kv_lora_rank <= 0:
+        raise UserError(f"model.kv_lora_rank = {config.kv_lora_rank} must be positive: MLA's key/value latent")
+    for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_hidden", "ffn_hidden"):
+        if getattr(config, name) < 0:
+            raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
+    if config.rope_scaling != "none" or config.attention_bias or config.qk_norm or config.head_dim:
+        raise UserError(
+            "model.rope_scaling, attention_bias, qk_norm and head_dim are Llama's: deepseek's attention sets "
+            "its widths with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim"
+        )
+    if config.rope_theta <= 0 or config.norm_eps <= 0:
+        raise UserError("model.rope_theta and model.norm_eps must be positive")
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    raise UserError("model.family = 'deepseek' has no tensor-parallel plan: set parallel.tp = 1")
+
+
+def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRegion]:
+    return []  # no tensor parallelism, so no activations that differ between its ranks
+
+
+SPEC = ModelSpec(
+    name="deepseek",
+    build=DeepSeek,
+    check=check,
+    shape=shape,
+    tensor_parallel_plan=tensor_parallel_plan,
+    sharded_regions=sharded_regions,
+    blocks="layers",
+    attention="attention",
+    pipeline=PipelineParts(first=("tok_embeddings",), last=("norm", "output")),
+    tied=TIED,
+    hf=HFMapping(
+        model_type="deepseek_v3",
+        architecture="DeepseekV3ForCausalLM",
+        config_to_hf=deepseek_hf.config_to_hf,
+        config_from_hf=deepseek_hf.config_from_hf,
+        to_hf=deepseek_hf.to_hf,
+        from_hf=deepseek_hf.from_hf,
+        related=(),
+    ),
+    branches=(
+        Branch("attention", ("wq", "wkv_b"), "wo", lambda config: config.n_head),  # each head's rows and columns
+        Branch("feed_forward", ("w1", "w3"), "w2", ffn_hidden),
+    ),
+    unsupported=("tp", "pp", "cp"),
+)

@@ -1,0 +1,125 @@
+"""The DeepSeek family computes what transformers' `DeepseekV3ForCausalLM` computes, both ways: a random
+transformers model (weights and balancing bias far from their initialisation, so a wrong RoPE pairing,
+latent norm or routing shows) imports with the same logits and maps back to the tensors its
+`save_pretrained` writes; a trained run exports to a folder `AutoModelForCausalLM` loads with the same
+logits and imports back bit for bit. Odd widths (RoPE part 6, values 10 wide, 3 heads) on purpose.
+Tolerance: the same fp32 operations in another order, ~1e-6; 1e-4 as the other families' exports.
+"""
+
+import json
+
+import pytest
+import torch
+
+from paralm.cli import main
+from paralm.config.rules import validate
+from paralm.errors import UserError
+from paralm.job import train
+from paralm.models.config import ModelConfig
+from paralm.models.deepseek_spec import SPEC
+from paralm.models.kv_cache import KVCache
+from tests.helpers import tiny_config
+from tests.hf_helpers import LOGIT_TOLERANCE, assert_import_is_the_same_model_and_fine_tunes, assert_same_logits, export
+
+transformers = pytest.importorskip("transformers")
+
+HF = dict(
+    vocab_size=64, hidden_size=36, intermediate_size=40, moe_intermediate_size=20, num_hidden_layers=3,
+    num_attention_heads=3, num_key_value_heads=3, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+    topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=14, qk_rope_head_dim=6, qk_nope_head_dim=10,
+    v_head_dim=10, first_k_dense_replace=1, max_position_embeddings=32,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+)  # fmt: skip
+DEEPSEEK = dict(
+    family="deepseek", n_layer=3, n_head=4, d_model=32, ffn_hidden=48, moe_hidden=16, q_lora_rank=12,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, moe_experts=4, moe_top_k=2,
+    moe_first_dense=1, moe_shared_expert=True, moe_score="sigmoid", moe_groups=2, moe_topk_groups=1,
+    moe_routed_scale=2.0, moe_bias_balance=True,
+)  # fmt: skip
+
+
+@torch.no_grad()
+def _random_transformers(q_lora_rank: int | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF, q_lora_rank=q_lora_rank)).eval()
+    for name, param in model.named_parameters():
+        param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8], ids=["full-query", "low-rank-query"])
+def test_a_transformers_deepseek_v3_maps_both_ways_with_the_same_logits(q_lora_rank, tmp_path):
+    theirs = _random_transformers(q_lora_rank)
+    config = ModelConfig(**SPEC.hf.config_from_hf(theirs.config.to_dict(), "config.json"))
+    ours = SPEC.build(config).eval()
+    ours.load_state_dict(SPEC.hf.from_hf(theirs.state_dict(), config, "model.safetensors"))
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() <= LOGIT_TOLERANCE
+    theirs.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    saved, exported = load_file(tmp_path / "model.safetensors"), SPEC.hf.to_hf(ours.state_dict(), config)
+    assert saved.keys() == exported.keys()
+    assert all(torch.equal(saved[k], exported[k]) for k in saved)
+    fields = SPEC.hf.config_from_hf(SPEC.hf.config_to_hf(config), "config.json")  # the config maps back too
+    assert {k: getattr(config, k) for k in fields} == fields
+
+
+def test_generation_with_the_cache_matches_the_whole_sequence() -> None:
+    """Keys (nope + rope wide) and values (v_head_dim wide) of different widths are kept by the cache."""
+    torch.manual_seed(0)
+    model = SPEC.build(ModelConfig(**DEEPSEEK, block_size=16)).eval()
+    x = torch.randint(0, 256, (2, 10))
+    cache = KVCache(16)
+    with torch.no_grad():
+        whole = model(x)
+        steps = [model(x[:, :6], cache=cache)] + [model(x[:, i : i + 1], cache=cache) for i in range(6, 10)]
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=0, atol=1e-5)
+
+
+def test_parameter_counts_match_the_model() -> None:
+    for extra in ({}, {"q_lora_rank": 0, "tie_embeddings": True, "moe_first_dense": 0}):
+        config = ModelConfig(**(DEEPSEEK | extra))
+        model = SPEC.build(config)
+        assert SPEC.shape(config).params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory):
+    config = tiny_config(tmp_path_factory.mktemp("export-deepseek") / "run", model=DEEPSEEK, train={"steps": 4})
+    train(config)
+    return config
+
+
+def test_a_trained_run_exports_and_imports_back(deepseek_run, tmp_path):
+    export(deepseek_run.run.dir, tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["model_type"] == "deepseek_v3"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model) is transformers.DeepseekV3ForCausalLM
+    biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers[1:]]
+    assert max(b.abs().max() for b in biases) > 0  # the trained balancing bias travelled
+    assert_same_logits(deepseek_run.run.dir, tmp_path / "hf")
+    assert_import_is_the_same_model_and_fine_tunes(deepseek_run.run.dir, tmp_path / "hf", tmp_path / "imported")
+
+
+def test_what_deepseek_does_not_support_is_refused_in_one_line(tmp_path, capsys):
+    for parallel in ({"tp": 2}, {"pp": 2}, {"cp": 2}):
+        name = next(iter(parallel))
+        with pytest.raises(UserError, match=f"parallel.{name} > 1 is not supported"):
+            validate(tiny_config(tmp_path / "x", model=DEEPSEEK, parallel=parallel))
+    with pytest.raises(UserError, match="kv_lora_rank"):
+        validate(tiny_config(tmp_path / "x", model=DEEPSEEK | {"kv_lora_rank": 0}))
+    for setting in ({"norm_topk_prob": False}, {"n_shared_experts": 2}, {"rope_scaling": {"rope_type": "yarn"}}):
+        with pytest.raises(UserError, match=next(iter(setting)).replace("rope_scaling", "rope_type")):
+            SPEC.hf.config_from_hf({"model_type": "deepseek_v3", **setting}, "config.json")
+    config = tiny_config(tmp_path / "run", model=DEEPSEEK | {"moe_score": "softmax"}, train={"steps": 1})
+    train(config)
+    capsys.readouterr()
+    assert main(["export", "--run", str(config.run.dir), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "model.moe_score = 'softmax'" in err and err.count("\n") == 1, err
