@@ -118,8 +118,12 @@ WINDOWED = ["--model.family=llama", "--model.d_model=32", "--model.n_head=4", "-
         (["--parallel.cp=2"], "parallel.cp = 2 does not compose with model.sliding_window"),
         (["--model.sliding_window=-1"], "model.sliding_window = -1"),
         (["--model.family=gpt2"], "model.sliding_window = 8: GPT-2 has none"),
+        (
+            ["--model.family=deepseek", "--model.kv_lora_rank=16", "--model.qk_rope_head_dim=8"],
+            "sliding_window are Llama's",
+        ),
     ],
-    ids=["context-parallel", "negative", "gpt2"],
+    ids=["context-parallel", "negative", "gpt2", "deepseek"],
 )
 def test_windows_paralm_does_not_compute_are_refused_in_one_line(overrides, fragment):
     with pytest.raises(UserError) as refused:
