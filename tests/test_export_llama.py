@@ -1,6 +1,7 @@
 """`paralm export` of a Llama run gives a transformers `LlamaForCausalLM` that computes what paralm's model
 computes, from a checkpoint of any layout; `paralm import` brings it back, and brings in the relatives that
-compute the same function (Mistral without a sliding window), refusing the others in one line.
+compute the same function (Mistral; its sliding window is `tests/test_families.py`'s), refusing the others
+in one line.
 
 The checks and their tolerance (logits within 1e-4, imports bit-identical) are the GPT-2 tests' own,
 in `tests/hf_helpers.py`.
@@ -146,7 +147,7 @@ def test_a_random_transformers_model_imports_with_the_same_logits_and_trains(tmp
 @pytest.mark.parametrize(
     "name, overrides, fragment",
     [
-        ("mistral", dict(sliding_window=16), "sliding_window = 16"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16), "sliding_window = 16"),
         (
             "llama",
             dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
@@ -154,7 +155,7 @@ def test_a_random_transformers_model_imports_with_the_same_logits_and_trains(tmp
         ),
         ("llama", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
     ],
-    ids=["mistral-sliding-window", "dynamic-rope-scaling", "gelu"],
+    ids=["qwen2-sliding-window", "dynamic-rope-scaling", "gelu"],
 )
 def test_relatives_that_do_not_map_are_refused_in_one_line(tmp_path, capsys, name, overrides, fragment):
     _save(tmp_path / name, name, **overrides)

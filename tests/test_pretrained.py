@@ -1,6 +1,7 @@
 """Starting from the checkpoints users have (issue 40): sharded safetensors both ways, Llama 3.1 (llama3
-RoPE scaling), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, explicit head width) exact against
-transformers' own classes, `checkpoint.init_from`, and the bad inputs refused in one line.
+RoPE scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, explicit head width), Mistral with a sliding
+window and Qwen3-MoE exact against transformers' own classes, `checkpoint.init_from`, and the bad inputs
+refused in one line (the window's and Qwen3-MoE's own checks: `tests/test_families.py`).
 
 Shapes are odd on purpose: grouped-query attention, an untied head, a head width (16) that is not
 d_model / n_head (48 / 4), an intermediate size (100) off Llama's multiple-of-256 rule, and weights moved far
@@ -42,11 +43,16 @@ ODD = dict(
 )
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 LLAMA3["original_max_position_embeddings"] = 16  # of 64 positions: the scaling shows
+# 4 experts of width 40 (not intermediate_size), top-2 without renormalising (Qwen3-MoE's default), block 0
+# dense and block 1 MoE (decoder_sparse_step = 2)
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=2)
 ARCHITECTURES = {  # name: (class, config class, config fields besides ODD)
     "llama31": ("LlamaForCausalLM", "LlamaConfig", dict(rope_scaling=LLAMA3)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=24)),  # of 64 positions: it masks
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
 }
 FINE_TUNE = ["--train.steps=2", "--train.micro_batch_size=2", "--train.eval_samples=4", "--log.tensorboard=false"]
 
@@ -203,8 +209,22 @@ def test_a_vocabulary_larger_than_the_model_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, parallel",
-    [("llama31", {"tp": 2}), ("qwen2", {"zero": 3}), ("qwen3", {"tp": 2}), ("mixtral", {"ep": 2, "zero": 3})],
-    ids=["llama31-tp2", "qwen2-zero3", "qwen3-tp2-init_from", "mixtral-ep2-zero3-init_from"],
+    [
+        ("llama31", {"tp": 2}),
+        ("qwen2", {"zero": 3}),
+        ("qwen3", {"tp": 2}),
+        ("mixtral", {"ep": 2, "zero": 3}),
+        ("mistral", {"tp": 2, "sequence_parallel": "true"}),  # the window's mask on the gathered sequence
+        ("qwen3_moe", {"ep": 2}),
+    ],
+    ids=[
+        "llama31-tp2",
+        "qwen2-zero3",
+        "qwen3-tp2-init_from",
+        "mixtral-ep2-zero3-init_from",
+        "mistral-window-tp2-sp",
+        "qwen3-moe-ep2",
+    ],
 )
 def test_round_trip_through_a_sharded_layout(tmp_path, name, parallel):
     """Import (Qwen3, Mixtral: init_from straight into TP shards, or experts split by ep and sharded by ZeRO-3),

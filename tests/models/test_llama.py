@@ -161,14 +161,14 @@ def test_qwen2_qwen3_and_llama3_scaling_map_to_the_llama_options():
 @pytest.mark.parametrize(
     "name, fields, fragment",
     [
-        ("mistral", dict(sliding_window=16), "sliding_window = 16"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16), "sliding_window = 16"),  # Qwen's is per layer
         ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "'dynamic'"),
         ("llama", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
         # Llama's and Qwen3's attention_bias also puts a bias on the output projection, which paralm lacks
         ("llama", dict(attention_bias=True), "attention_bias = True"),
         ("qwen3", dict(attention_bias=True), "attention_bias = True"),
     ],
-    ids=["mistral-sliding-window", "dynamic-rope", "gelu", "llama-attention-bias", "qwen3-attention-bias"],
+    ids=["qwen2-sliding-window", "dynamic-rope", "gelu", "llama-attention-bias", "qwen3-attention-bias"],
 )
 def test_configs_paralm_does_not_compute_are_refused_in_one_line(name, fields, fragment):
     with pytest.raises(UserError) as refused:

@@ -16,6 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from paralm.config.load import load_config
 from paralm.config.schema import CONFIG_FILE, ParallelConfig, SyncConfig
 from paralm.data.corpus import default_corpus
@@ -28,6 +30,7 @@ from paralm.models.config import ModelConfig
 from paralm.models.hf_folder import CONFIG_FILE as HF_CONFIG_FILE
 from paralm.models.hf_folder import load_tensors, read_folder
 from paralm.models.registry import hf_spec, model_shape, model_spec
+from paralm.models.spec import ModelSpec, StateDict, retie, tied_parameters
 from paralm.parallel.runtime import init_runtime
 from paralm.runs import load_trained_model
 from paralm.runs.quantized import refuse_quantized
@@ -154,11 +157,25 @@ def _data_overrides(hf_dir: Path, tmp: Path, out: Path, val_fraction: float) -> 
     return [f"--data.path={out / 'data'}"], f"the model's tokenizer on the embedded corpus in {out / 'data'}"
 
 
+def _model_of(spec: ModelSpec, config: ModelConfig, state: StateDict, source: str) -> torch.nn.Module:
+    """The family's model holding `state`'s tensors themselves: built on the meta device and assigned the
+    weights (ties restored), so the import holds one copy of the weights rather than a random one besides."""
+    with torch.device("meta"):
+        model = spec.build(config)
+    tied = tied_parameters(model, spec)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        raise UserError(f"{source}: {str(e).splitlines()[-1].strip()}") from None
+    retie(model, tied)
+    return model
+
+
 def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[str]) -> str:
     """Create a run directory whose step-0 checkpoint holds the HF model's weights; returns a summary."""
     hf_path, out_dir = Path(hf_dir), Path(out)
     folder = read_folder(hf_path)
-    hf_config, hf_weights = folder.config, load_tensors(folder)
+    hf_config = folder.config
     source = str(hf_path / HF_CONFIG_FILE)
     spec = hf_spec(hf_config.get("model_type"), source)
     model_fields = spec.hf.config_from_hf(hf_config, source)
@@ -170,12 +187,8 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
         changed = [k for k, v in model_fields.items() if k != "dropout" and v != getattr(config.model, k)]
         if changed:
             raise UserError(f"model.{changed[0]} is fixed by the imported model's {HF_CONFIG_FILE}: do not override it")
-        model = spec.build(config.model)
-        state = spec.hf.from_hf(hf_weights, config.model, folder.source)
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            raise UserError(f"{folder.source}: {str(e).splitlines()[-1].strip()}") from None
+        state = spec.hf.from_hf(load_tensors(folder), config.model, folder.source)  # the folder's dict is let go
+        model = _model_of(spec, config.model, state, folder.source)
         optimizer = fresh_optimizer_state(model, config)
         runtime = init_runtime(ParallelConfig(), SyncConfig())
         state = trainer_state(0, 0, config.model.block_size, runtime.world_size)

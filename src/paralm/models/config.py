@@ -39,6 +39,9 @@ class ModelConfig:
     rope_original_context: int = field(
         default=8192, metadata={"help": "llama: llama3 scaling's original_max_position_embeddings"}
     )
+    sliding_window: int = field(
+        default=0, metadata={"help": "llama: each token attends to itself and the window - 1 tokens before it (0: off)"}
+    )
     tie_embeddings: bool = field(
         default=False, metadata={"help": "llama: the head shares the token embedding (gpt2 always does)"}
     )
@@ -46,6 +49,9 @@ class ModelConfig:
         default=0, metadata={"help": "routed experts per MoE feed-forward (0: dense feed-forwards)"}
     )
     moe_top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
+    moe_norm_topk: bool = field(
+        default=True, metadata={"help": "renormalise the chosen experts' weights to sum to 1 (top-k > 1, or sigmoid)"}
+    )
     moe_every: int = field(default=1, metadata={"help": "every k-th block's feed-forward is MoE (1: all of them)"})
     moe_shared_expert: bool = field(default=False, metadata={"help": "an always-on expert beside the routed ones"})
     moe_score: str = field(default="softmax", metadata={"help": "router scores: softmax or sigmoid"})
@@ -59,7 +65,7 @@ class ModelConfig:
     moe_z_loss: float = field(default=0.0, metadata={"help": "coefficient of the router z-loss (ST-MoE)"})
     moe_first_dense: int = field(default=0, metadata={"help": "the first k blocks keep a dense feed-forward"})
     moe_hidden: int = field(
-        default=0, metadata={"help": "deepseek: each routed and shared expert's width (0: model.ffn_hidden's)"}
+        default=0, metadata={"help": "llama, deepseek: each routed and shared expert's width (0: model.ffn_hidden's)"}
     )
     moe_routed_scale: float = field(
         default=1.0, metadata={"help": "factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor)"}

@@ -80,10 +80,16 @@ def check(config: ModelConfig) -> None:
     for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_hidden", "ffn_hidden"):
         if getattr(config, name) < 0:
             raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
-    if config.rope_scaling != "none" or config.attention_bias or config.qk_norm or config.head_dim:
+    if (
+        config.rope_scaling != "none"
+        or config.attention_bias
+        or config.qk_norm
+        or config.head_dim
+        or config.sliding_window
+    ):
         raise UserError(
-            "model.rope_scaling, attention_bias, qk_norm and head_dim are Llama's: deepseek's attention sets "
-            "its widths with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim"
+            "model.rope_scaling, attention_bias, qk_norm, head_dim and sliding_window are Llama's: deepseek's "
+            "attention sets its widths with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim"
         )
     if config.rope_theta <= 0 or config.norm_eps <= 0:
         raise UserError("model.rope_theta and model.norm_eps must be positive")

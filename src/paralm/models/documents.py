@@ -4,7 +4,8 @@ positions restart at every document's start (`data.document_mask`).
 A batch says which document each token belongs to (`documents`, (batch, seq) ids, counting up along
 the sequence; the data reads them from the stored document starts, never from an end-of-text token).
 Attention then runs SDPA with a boolean block-diagonal causal mask, which every device supports with
-a backward (FlexAttention has none on CPU in torch 2.13).
+a backward (FlexAttention has none on CPU in torch 2.13). A sliding window (`model.sliding_window`,
+Mistral's) is one more boolean mask, and the two compose by `&`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     seq = documents.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
     return (documents[:, :, None] == documents[:, None, :]) & causal
+
+
+def window_mask(queries: int, start: int, window: int, device: torch.device) -> torch.Tensor:
+    """Which keys each query sees under a sliding window, (1, queries, start + queries): the queries sit at
+    positions start, start + 1, ... (after `start` cached ones) and query i sees key j when
+    i - window < j <= i, as transformers' Mistral does."""
+    rows = torch.arange(start, start + queries, device=device)[:, None]
+    keys = torch.arange(start + queries, device=device)[None, :]
+    return ((keys <= rows) & (keys > rows - window))[None]
 
 
 def masked_attend(

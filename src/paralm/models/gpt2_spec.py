@@ -184,7 +184,11 @@ def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
 
 
 def check(config: ModelConfig) -> None:
-    """Every shape the generic checks admit builds (d_model divisible by n_head is checked there)."""
+    """Every shape the generic checks admit builds (d_model divisible by n_head is checked there); Llama's
+    sliding window and expert width are refused rather than ignored."""
+    for name in ("sliding_window", "moe_hidden"):
+        if getattr(config, name):
+            raise UserError(f"model.{name} = {getattr(config, name)}: GPT-2 has none; set 0 or family = 'llama'")
 
 
 SPEC = ModelSpec(

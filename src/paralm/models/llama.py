@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paralm.models.config import ModelConfig
-from paralm.models.documents import document_mask, document_positions, masked_attend
+from paralm.models.documents import document_mask, document_positions, masked_attend, window_mask
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE, is_moe_block
 from paralm.models.rope import head_dim, inverse_frequencies, rotary_tables, rotate
@@ -40,13 +40,19 @@ def ffn_hidden(config: ModelConfig, multiple_of: int = 256) -> int:
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
+def moe_hidden(config: ModelConfig) -> int:
+    """Each routed expert's SwiGLU width: `model.moe_hidden`, or the dense feed-forward's."""
+    return config.moe_hidden or ffn_hidden(config)
+
+
 def kv_heads(config: ModelConfig) -> int:
     return config.n_kv_heads or config.n_head
 
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE; with `model.attention_bias` q, k and v have biases (Qwen2), with
-    `model.qk_norm` each query and key head is RMS-normalised before the rotation (Qwen3)."""
+    `model.qk_norm` each query and key head is RMS-normalised before the rotation (Qwen3), with
+    `model.sliding_window` each query sees only that many latest keys (Mistral), with a cache as without."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -75,13 +81,21 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        start = cache.length if cache is not None else 0
         if positions is None:
-            start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + seq, device=q.device)
         cos, sin = rotary_tables(positions, inverse_frequencies(self.config, q.device))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
-        y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
+        if self.config.sliding_window:  # q holds the whole sequence here, also under sequence parallelism
+            window = window_mask(q.shape[2], start, self.config.sliding_window, q.device)
+            mask = window if mask is None else mask & window
+        if mask is None:
+            y = self.attend(q, k, v, cache, dropout)
+        else:
+            if cache is not None:
+                k, v = cache.append(k, v)
+            y = masked_attend(q, k, v, mask, dropout)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 
@@ -107,8 +121,8 @@ class Block(nn.Module):
         self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        moe = is_moe_block(config, index)  # SwiGLU experts of the feed-forward's width
-        self.feed_forward = MoE(config, ffn_hidden(config), gated=True, layer=index) if moe else FeedForward(config)
+        moe = is_moe_block(config, index)  # SwiGLU experts
+        self.feed_forward = MoE(config, moe_hidden(config), gated=True, layer=index) if moe else FeedForward(config)
 
     def forward(
         self,

@@ -1,11 +1,12 @@
 """The Llama family as Hugging Face architectures, both ways: Llama (with Llama 3.1's or linear RoPE
-scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms, an explicit head width), Mistral without a
-sliding window, and Mixtral for MoE feed-forwards (`paralm.models.mixtral_hf`).
+scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms, an explicit head width), Mistral (with its
+sliding window), and Mixtral for MoE feed-forwards (`paralm.models.mixtral_hf`).
 
 All of them are paralm's Llama with options: the weights keep their names but for the `model.`
 prefix and the submodule names in `_RENAMES`, so the mapping is a list of name pairs (`names`), which
 `checkpoint.init_from` hands to DCP to read each rank's shards of a sharded folder directly. Export picks
-the architecture from the options: q/k norms make a Qwen3, q/k/v biases a Qwen2, anything else a Llama.
+the architecture from the options: a sliding window makes a Mistral, q/k norms a Qwen3, q/k/v biases a
+Qwen2, anything else a Llama.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from paralm.errors import UserError
-from paralm.models import mixtral_hf
+from paralm.models import mixtral_hf, qwen3_moe_hf
 from paralm.models.config import ModelConfig
 from paralm.models.llama import ffn_hidden, kv_heads
+from paralm.models.moe import is_moe_block
 from paralm.models.rope import head_dim
 from paralm.models.spec import StateDict, refuse_differences
 
@@ -37,14 +39,20 @@ _SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF ro
 
 def _architecture(c: ModelConfig) -> tuple[str, str]:
     """(architecture, model_type) of the transformers class that computes `c`, or a one-line refusal."""
-    if c.moe_experts and (c.qk_norm or c.attention_bias):
+    if c.moe_experts and c.attention_bias:
+        raise UserError("an MoE model with model.attention_bias has no transformers class to export to")
+    if c.sliding_window and (c.moe_experts or c.qk_norm or c.attention_bias):
         raise UserError(
-            "an MoE model with model.qk_norm or model.attention_bias has no transformers class to export to"
+            "model.sliding_window exports only as a Mistral (no model.moe_experts, qk_norm or attention_bias)"
         )
+    if c.sliding_window:
+        return "MistralForCausalLM", "mistral"
     if c.qk_norm and c.attention_bias:  # Qwen3's attention_bias also puts a bias on the output projection
         raise UserError("model.qk_norm with model.attention_bias has no transformers class to export to")
     if c.qk_norm:
-        return "Qwen3ForCausalLM", "qwen3"
+        return ("Qwen3MoeForCausalLM", "qwen3_moe") if c.moe_experts else ("Qwen3ForCausalLM", "qwen3")
+    if c.moe_experts:
+        return "MixtralForCausalLM", "mixtral"
     if c.attention_bias:
         return "Qwen2ForCausalLM", "qwen2"
     return "LlamaForCausalLM", "llama"
@@ -66,12 +74,13 @@ def _rope_parameters(c: ModelConfig) -> dict[str, Any]:
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """`config.json`'s fields for the same architecture, `architectures` and `model_type` included."""
     architecture, model_type = _architecture(c)
-    mixtral = mixtral_hf.config_to_hf(c) if c.moe_experts else {}
+    moe = {"mixtral": mixtral_hf.config_to_hf, "qwen3_moe": qwen3_moe_hf.config_to_hf}.get(model_type)
+    moe_fields = moe(c) if moe else {}
     rope = _rope_parameters(c)
     scaling = {"rope_scaling": rope} if c.rope_scaling != "none" else {}  # what transformers 4.x reads
     return (
         dict(architectures=[architecture], model_type=model_type)
-        | mixtral
+        | moe_fields
         | scaling
         | dict(
             vocab_size=c.vocab_size,
@@ -87,10 +96,11 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
             rope_parameters=rope | {"rope_theta": c.rope_theta},
             tie_word_embeddings=c.tie_embeddings,
             hidden_act="silu",
-            attention_bias=False if model_type == "qwen3" else c.attention_bias,
+            attention_bias=False if c.qk_norm else c.attention_bias,
             mlp_bias=False,
             attention_dropout=c.dropout,
             use_sliding_window=False,
+            sliding_window=c.sliding_window or None,
         )
     )
 
@@ -120,20 +130,23 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     model_type = hf.get("model_type")
     d_model, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     block_size = hf.get("max_position_embeddings", 2048)
-    windowed = model_type not in ("qwen2", "qwen3") or hf.get("use_sliding_window")  # Qwen: a window only if used
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    windowed = not qwen or hf.get("use_sliding_window")  # Qwen: a window only if used
     window = hf.get("sliding_window") if windowed else None
+    window = window if window is not None and window < block_size else 0  # a longer one masks nothing
     differences = {
         "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
         "mlp_bias": (hf.get("mlp_bias", False), False),
         "pretraining_tp": (hf.get("pretraining_tp", 1), 1),
-        "sliding_window": (window if window is not None and window < block_size else None, None),
+        "sliding_window": (window if model_type != "mistral" else 0, 0),  # paralm's window is Mistral's
     }
     if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's flag adds one to o too
         differences["attention_bias"] = (hf.get("attention_bias", False), False)
     refuse_differences(source, "Llama", differences)
-    mixtral = mixtral_hf.config_from_hf(hf, source) if model_type == "mixtral" else {}
+    moe = {"mixtral": mixtral_hf.config_from_hf, "qwen3_moe": qwen3_moe_hf.config_from_hf}.get(model_type)
+    moe_fields = moe(hf, source) if moe else {}
     return (
-        mixtral
+        moe_fields
         | _rope_fields(hf, source)
         | dict(
             family="llama",
@@ -143,7 +156,8 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
             d_model=d_model,
             head_dim=0 if (hf.get("head_dim") or d_model // heads) * heads == d_model else hf["head_dim"],
             attention_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            sliding_window=window,
             block_size=block_size,
             vocab_size=hf.get("vocab_size", 32000),
             dropout=float(hf.get("attention_dropout", 0.0)),
@@ -166,9 +180,10 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
     pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     if not config.tie_embeddings:
         pairs.append(("output.weight", "lm_head.weight"))
-    renames = {k: v for k, v in _RENAMES.items() if not (config.moe_experts and k.startswith("feed_forward"))}
     for i in range(config.n_layer):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        moe = is_moe_block(config, i)  # its feed-forward maps in `mixtral_hf`
+        renames = {k: v for k, v in _RENAMES.items() if not (moe and k.startswith("feed_forward"))}
         pairs += [(f"{ours}{name}.weight", f"{theirs}{hf}.weight") for name, hf in renames.items()]
         if config.attention_bias:
             pairs += [(f"{ours}{name}.bias", f"{theirs}{_RENAMES[name]}.bias") for name in _BIASES]

@@ -7,7 +7,7 @@ their weights; per-head q/k norms (Qwen3) act on each rank's whole heads, so the
 their gradients summed over the group. RoPE runs inside attention, on the gathered sequence, at global
 positions.
 
-The Hugging Face mapping (Llama, Llama 3.1, Qwen2, Qwen3, Mistral, Mixtral) is `paralm.models.llama_hf`.
+The Hugging Face mapping (Llama, Llama 3.1, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) is `paralm.models.llama_hf`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paralm.errors import UserError
 from paralm.models import llama_hf
 from paralm.models.config import ModelConfig
-from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads
+from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads, moe_hidden
 from paralm.models.moe import moe_shape
 from paralm.models.rope import ROPE_SCALINGS, head_dim
 from paralm.models.shape import ModelShape
@@ -65,7 +65,7 @@ def shape(config: ModelConfig) -> ModelShape:
         # 2 RMSNorms, 2 residual adds, SiLU, product, 4 reshapes and casts; `rotate` on q and on k (8
         # kernels each, 10 more for its cos and sin tables) and the positions
         elementwise_kernels=10 + 2 * (8 + 10) + 1,
-        moe=moe_shape(config, layer[3:], dense_ffn_params=3 * d * hidden),
+        moe=moe_shape(config, layer[3:], 3 * d * hidden, ((moe_hidden(config), d, 2), (d, moe_hidden(config), 1))),
         mlp_fused=3 * hidden,  # compiled: SiLU and product read w1's and w3's outputs, write w2's input
     )
 
@@ -94,8 +94,11 @@ def check(config: ModelConfig) -> None:
     ):
         if value <= 0:
             raise UserError(f"model.{name} = {value} must be positive")
-    if config.ffn_hidden < 0:
-        raise UserError(f"model.ffn_hidden = {config.ffn_hidden} must be positive (or 0 for Llama's rule)")
+    for name, value in (("ffn_hidden", config.ffn_hidden), ("moe_hidden", config.moe_hidden)):
+        if value < 0:
+            raise UserError(f"model.{name} = {value} must be positive (or 0 for its default)")
+    if config.sliding_window < 0:
+        raise UserError(f"model.sliding_window = {config.sliding_window} must be a number of tokens (or 0: off)")
 
 
 _NAMES = DecoderNames(
@@ -137,7 +140,7 @@ SPEC = ModelSpec(
         to_hf=llama_hf.to_hf,
         from_hf=llama_hf.from_hf,
         names=llama_hf.names,
-        related=("mistral", "qwen2", "qwen3", "mixtral"),
+        related=("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"),
     ),
     branches=(
         Branch("attention", ("wq", "wk", "wv"), "wo", kv_heads),  # a key/value head with the query heads it serves

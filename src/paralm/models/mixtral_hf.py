@@ -5,18 +5,23 @@ over the chosen experts, weight SwiGLU experts; every block is MoE, no shared ex
 what `save_pretrained` writes (one `block_sparse_moe.experts.{j}.w1.weight` per expert, which every
 transformers version reads); import also takes the stacked layout of transformers' module
 (`mlp.experts.gate_up_proj`, (experts, 2 x hidden, d): w1 then w3; `down_proj`: w2), paralm's own.
+The weight maps serve Qwen3-MoE too (`paralm.models.qwen3_moe_hf`), under its own per-expert names and
+only for its MoE blocks.
 Settings Mixtral does not compute (a loss-free bias changes which experts are chosen, capacity drops
 tokens, top-1 would not renormalise) are refused in one line.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
+from paralm.models.llama import ffn_hidden
+from paralm.models.moe import is_moe_block
 from paralm.models.spec import StateDict, refuse_differences
 
 
@@ -32,6 +37,8 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "model.moe_bias_balance": (c.moe_bias_balance, False),
         "model.moe_capacity": (c.moe_capacity, 0.0),
         "model.moe_top_k > 1": (c.moe_top_k > 1, True),
+        "model.moe_norm_topk": (c.moe_norm_topk, True),
+        "model.moe_hidden": (c.moe_hidden if c.moe_hidden != ffn_hidden(c) else 0, 0),
     }
     for name, (got, needed) in refused.items():
         if got != needed:
@@ -43,7 +50,6 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         num_experts_per_tok=c.moe_top_k,
         router_aux_loss_coef=c.moe_aux_loss,
         router_jitter_noise=0.0,
-        sliding_window=None,
     )
 
 
@@ -58,24 +64,45 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def _names(i: int) -> tuple[str, str]:
-    return f"layers.{i}.feed_forward.", f"model.layers.{i}.block_sparse_moe."
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a transformers class's `save_pretrained` names a block's router and each expert's SwiGLU
+    matrices (after `model.layers.{i}.`): Mixtral's `block_sparse_moe.experts.{j}.w1`, Qwen3-MoE's
+    `mlp.experts.{j}.gate_proj`. Both modules hold them stacked under the same names (`_stacked_names`)."""
+
+    block: str
+    w1: str
+    w2: str
+    w3: str
+
+
+MIXTRAL = ExpertNames("block_sparse_moe.", "w1", "w2", "w3")
+QWEN3_MOE = ExpertNames("mlp.", "gate_proj", "down_proj", "up_proj")
+
+
+def expert_names(config: ModelConfig) -> ExpertNames:
+    """Qwen3-MoE's names for a model with per-head q/k norms, Mixtral's otherwise (as export picks)."""
+    return QWEN3_MOE if config.qk_norm else MIXTRAL
+
+
+def moe_blocks(config: ModelConfig) -> list[int]:
+    return [i for i in range(config.n_layer) if is_moe_block(config, i)]
 
 
 def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
-    """Every block's router and experts, named as `MixtralForCausalLM.save_pretrained` writes them."""
-    out = {}
-    for i in range(config.n_layer):
-        p, h = _names(i)
+    """Every MoE block's router and experts, named as `save_pretrained` writes them."""
+    names, out = expert_names(config), {}
+    for i in moe_blocks(config):
+        p, h = f"layers.{i}.feed_forward.", f"model.layers.{i}.{names.block}"
         out[h + "gate.weight"] = sd[p + "gate.weight"]
-        for k in ("w1", "w2", "w3"):
-            out |= {f"{h}experts.{j}.{k}.weight": w for j, w in enumerate(sd[p + f"experts.{k}"])}
+        for k, theirs in (("w1", names.w1), ("w2", names.w2), ("w3", names.w3)):
+            out |= {f"{h}experts.{j}.{theirs}.weight": w for j, w in enumerate(sd[p + f"experts.{k}"])}
     return out
 
 
 def expected_names(config: ModelConfig) -> set[str]:
     """The stacked layout's names (what `stacked` leaves)."""
-    return {name for i in range(config.n_layer) for name in _stacked_names(i)}
+    return {name for i in moe_blocks(config) for name in _stacked_names(i)}
 
 
 def _stacked_names(i: int) -> tuple[str, str, str]:
@@ -85,24 +112,24 @@ def _stacked_names(i: int) -> tuple[str, str, str]:
 
 def stacked(hf: StateDict, config: ModelConfig) -> StateDict:
     """`hf` with experts stored one by one (as `to_hf` writes them) stacked as transformers' module holds them."""
-    hf = dict(hf)
-    for i in range(config.n_layer):
-        old, (gate, gate_up, down) = _names(i)[1], _stacked_names(i)
-        if old + "gate.weight" not in hf:
+    hf, names = dict(hf), expert_names(config)
+    for i in moe_blocks(config):
+        old, (gate, gate_up, down) = f"model.layers.{i}.{names.block}", _stacked_names(i)
+        if f"{old}experts.0.{names.w1}.weight" not in hf:
             continue
         hf[gate] = hf.pop(old + "gate.weight")
         experts = range(config.moe_experts)
-        w = {k: [hf.pop(f"{old}experts.{j}.{k}.weight") for j in experts] for k in ("w1", "w2", "w3")}
-        hf[gate_up] = torch.cat([torch.stack(w["w1"]), torch.stack(w["w3"])], dim=1)
-        hf[down] = torch.stack(w["w2"])
+        w = {k: [hf.pop(f"{old}experts.{j}.{k}.weight") for j in experts] for k in (names.w1, names.w2, names.w3)}
+        hf[gate_up] = torch.cat([torch.stack(w[names.w1]), torch.stack(w[names.w3])], dim=1)
+        hf[down] = torch.stack(w[names.w2])
     return hf
 
 
 def from_hf(hf: StateDict, config: ModelConfig) -> StateDict:
-    """paralm's router and expert tensors (and zero balancing biases) from `stacked` Mixtral weights."""
+    """paralm's router and expert tensors (and zero balancing biases) from `stacked` weights."""
     out = {}
-    for i in range(config.n_layer):
-        p, (gate, gate_up, down) = _names(i)[0], _stacked_names(i)
+    for i in moe_blocks(config):
+        p, (gate, gate_up, down) = f"layers.{i}.feed_forward.", _stacked_names(i)
         out[p + "gate.weight"] = hf[gate]
         out[p + "experts.w1"], out[p + "experts.w3"] = hf[gate_up].chunk(2, dim=1)
         out[p + "experts.w2"] = hf[down]

@@ -42,21 +42,26 @@ def is_moe_block(config: ModelConfig, index: int) -> bool:
 
 
 def moe_shape(
-    config: ModelConfig, ffn_matrices: tuple[tuple[int, int, int], ...], dense_ffn_params: int
+    config: ModelConfig,
+    ffn_matrices: tuple[tuple[int, int, int], ...],
+    dense_ffn_params: int,
+    expert_matrices: tuple[tuple[int, int, int], ...] | None = None,
 ) -> MoEShape | None:
     """The MoE blocks' counts, for a family whose feed-forward has the weight matrices `ffn_matrices`
-    (an expert has the same, without biases) and `dense_ffn_params` parameters (None for a dense model)."""
+    and `dense_ffn_params` parameters; an expert has `expert_matrices` (default: the same, without
+    biases). None for a dense model."""
     if config.moe_experts == 0:
         return None
+    expert_matrices = ffn_matrices if expert_matrices is None else expert_matrices
     return MoEShape(
         layers=sum(is_moe_block(config, i) for i in range(config.n_layer)),
         experts=config.moe_experts,
         top_k=config.moe_top_k,
         shared=int(config.moe_shared_expert),
-        expert_params=sum(rows * cols * count for rows, cols, count in ffn_matrices),
+        expert_params=sum(rows * cols * count for rows, cols, count in expert_matrices),
         router_params=config.d_model * config.moe_experts,
         dense_ffn_params=dense_ffn_params,
-        expert_matrices=ffn_matrices,
+        expert_matrices=expert_matrices,
         dense_ffn_matrices=ffn_matrices,
     )
 
@@ -164,7 +169,7 @@ class MoE(nn.Module):
             choice = self._best_groups(choice)
         chosen = choice.topk(c.moe_top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
-        if c.moe_top_k > 1 or c.moe_score == "sigmoid":  # Mixtral's and DeepSeek-V3's normalisation
+        if c.moe_norm_topk and (c.moe_top_k > 1 or c.moe_score == "sigmoid"):  # Mixtral's, DeepSeek-V3's
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, scores, chosen, weights * c.moe_routed_scale
 

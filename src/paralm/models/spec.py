@@ -112,6 +112,14 @@ def tied_parameters(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     return {name: source for name, source in spec.tied.items() if params.get(name, 0) is params.get(source, 1)}
 
 
+def retie(model: nn.Module, pairs: Mapping[str, str]) -> None:
+    """Make each parameter `name` of `pairs` the parameter `source` again: `load_state_dict(assign=True)`
+    gives every name a parameter of its own, which would untie a head from its embedding."""
+    for name, source in pairs.items():
+        module, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module), attribute, model.get_parameter(source))
+
+
 def refuse_differences(source: str, family: str, differences: dict[str, tuple[Any, Any]]) -> None:
     """A one-line `UserError` for the first Hugging Face setting (name: (found, needed)) under which
     the folder computes something else than paralm's `family` does."""

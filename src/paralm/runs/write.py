@@ -40,11 +40,31 @@ def atomic_folder(out: Path) -> Iterator[Path]:
 def fresh_optimizer_state(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
     """The configured optimizer with its state tensors created (DCP saves and loads them by name) and its
     step counters at 0, so the first fine-tuning step is the optimizer's first (AdamW's bias correction)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     optimizer = build_optimizer(model, config.train, blocks=model_spec(config.model).blocks)
-    get_optimizer_state_dict(model, optimizer)  # creates the state with one zero-learning-rate step
+    _zero_step(optimizer)
     for state in optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"].zero_()
     return optimizer
+
+
+@torch.no_grad()
+def _zero_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step at learning rate 0 on zero gradients, which creates the optimizer's state and moves no
+    weight (as torch's `get_optimizer_state_dict` does). The gradients are views of one zero buffer per
+    dtype, as long as the largest parameter, not a gradient per parameter: a model's worth of memory less
+    at the import's peak. Sharing it changes nothing: every gradient, moment and update stays zero."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        sizes[p.dtype] = max(sizes.get(p.dtype, 0), p.numel())
+    zeros = {dtype: torch.zeros(size, dtype=dtype, device=params[0].device) for dtype, size in sizes.items()}
+    for p in params:
+        p.grad = zeros[p.dtype][: p.numel()].view_as(p)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
