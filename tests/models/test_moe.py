@@ -11,15 +11,8 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT
 from paralm.models.loss import cross_entropy_loss
-from paralm.models.moe import (
-    MoE,
-    balance_figures,
-    check_moe,
-    moe_layers,
-    pop_auxiliary_loss,
-    take_statistics,
-    update_balance,
-)
+from paralm.models.moe import MoE, balance_figures, moe_layers, pop_auxiliary_loss, take_statistics, update_balance
+from paralm.models.moe_config import check_moe
 from paralm.models.registry import model_shape, model_spec
 
 

@@ -23,7 +23,7 @@ from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.config.schema import Config
 from paralm.config.sync_rules import check_compression, validate_sync
 from paralm.errors import UserError
-from paralm.models.moe import check_moe
+from paralm.models.moe_config import check_moe
 from paralm.models.registry import model_shape, model_spec
 
 

@@ -24,7 +24,8 @@ from paralm.models.config import ModelConfig
 from paralm.models.documents import masked_attend
 from paralm.models.kv_cache import Attend, LayerCache, attend
 from paralm.models.llama import FeedForward, Llama, ffn_hidden
-from paralm.models.moe import MoE, is_moe_block
+from paralm.models.moe import MoE
+from paralm.models.moe_config import is_moe_block
 from paralm.models.rope import inverse_frequencies, rotary_tables, rotate
 
 LATENT_EPS = 1e-6  # DeepSeek-V3's latent norms keep their own epsilon, whatever model.norm_eps says

@@ -18,7 +18,7 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.deepseek import expert_hidden, mla_dims
 from paralm.models.llama import ffn_hidden
-from paralm.models.moe import is_moe_block
+from paralm.models.moe_config import is_moe_block
 from paralm.models.spec import StateDict, refuse_differences
 
 _SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))

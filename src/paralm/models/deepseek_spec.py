@@ -18,7 +18,7 @@ from paralm.models import deepseek_hf
 from paralm.models.config import ModelConfig
 from paralm.models.deepseek import DeepSeek, expert_hidden, mla_dims
 from paralm.models.llama import TIED, ffn_hidden
-from paralm.models.moe import moe_shape
+from paralm.models.moe_config import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion
 

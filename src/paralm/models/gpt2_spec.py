@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT, TIED
-from paralm.models.moe import moe_shape
+from paralm.models.moe_config import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions

@@ -25,7 +25,8 @@ from torch import nn
 from paralm.models.config import ModelConfig
 from paralm.models.documents import document_mask, document_positions, masked_attend, window_mask
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
-from paralm.models.moe import RESIDUAL, MoE, is_moe_block
+from paralm.models.moe import RESIDUAL, MoE
+from paralm.models.moe_config import is_moe_block
 from paralm.models.rope import head_dim, inverse_frequencies, rotary_tables, rotate
 from paralm.models.seeding import seed_parameter
 

@@ -17,7 +17,7 @@ from paralm.errors import UserError
 from paralm.models import mixtral_hf, qwen3_moe_hf
 from paralm.models.config import ModelConfig
 from paralm.models.llama import ffn_hidden, kv_heads
-from paralm.models.moe import is_moe_block
+from paralm.models.moe_config import is_moe_block
 from paralm.models.rope import head_dim
 from paralm.models.spec import StateDict, refuse_differences
 

@@ -19,7 +19,7 @@ from paralm.errors import UserError
 from paralm.models import llama_hf
 from paralm.models.config import ModelConfig
 from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads, moe_hidden
-from paralm.models.moe import moe_shape
+from paralm.models.moe_config import moe_shape
 from paralm.models.rope import ROPE_SCALINGS, head_dim
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion

@@ -21,7 +21,7 @@ import torch
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import ffn_hidden
-from paralm.models.moe import is_moe_block
+from paralm.models.moe_config import is_moe_block
 from paralm.models.spec import StateDict, refuse_differences
 
 
