@@ -2,7 +2,8 @@
 step on 1 process, ZeRO-3 and TP 2, and paralm's Muon beside `torch.optim.Muon`.
 
     python benchmarks/muon.py [--models tiny] [--steps 150] [--big-steps 100] [--lrs 1e-3 3e-3 1e-2]
-                              [--seeds 3] [--share-steps 5] [--parity-steps 5] [--parts loss share parity]
+                              [--seeds 3] [--layouts 1proc zero3 tp2] [--share-steps 5] [--parity-steps 5]
+                              [--parts loss share parity]
 
 Models: "tiny" is `configs/llama-tiny.toml` (4 x 128); "6x384" the same with 6 layers, d_model 384, 6 heads
 (no GQA), SwiGLU 1024; both train 16 sequences of 128 tokens per step on the embedded corpus, fp32.
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/llama-tiny.toml"
 MODELS = {"tiny": {}, "6x384": {"n_layer": 6, "d_model": 384, "n_head": 6, "n_kv_heads": 6, "ffn_hidden": 1024}}
 OPTIMIZERS = ("adamw", "muon")
-LAYOUTS = {"1 process": (1, {}), "ZeRO-3": (2, {"zero": 3}), "TP 2": (2, {"tp": 2})}
+LAYOUTS = {"1proc": ("1 process", 1, {}), "zero3": ("ZeRO-3", 2, {"zero": 3}), "tp2": ("TP 2", 2, {"tp": 2})}
 
 
 def schedule(steps: int) -> list[str]:
@@ -144,7 +145,7 @@ def _share_rank(rank: int, ranks: int, port: int, config: dict, steps: int, out:
 
 def share_rows(name: str, args: argparse.Namespace, scratch: Path) -> list[list[str]]:
     rows = []
-    for layout, (ranks, parallel) in LAYOUTS.items():
+    for layout, ranks, parallel in (LAYOUTS[key] for key in args.layouts):
         for opt in OPTIMIZERS:
             out = scratch / f"share-{name}-{ranks}-{opt}-{len(rows)}.json"
             with socket.socket() as s:
@@ -207,6 +208,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=64, help="validation sequences after the last step")
     parser.add_argument("--block", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="of the share")
     parser.add_argument("--share-steps", type=int, default=5, help="timed steps per layout, after 2 warm-up")
     parser.add_argument("--parity-steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the parity part")
