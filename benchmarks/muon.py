@@ -14,8 +14,9 @@ emulated, ~0.8 s for one 384 x 384 matrix on one thread, ~50 s per optimizer ste
    to 0 over `--steps`, a tenth of them warm-up); each optimizer's lr with the lowest validation loss then
    runs seeds 1.. in a second sweep (`--configs` of the two best trials' resolved configs). Printed: every
    lr's seed-0 validation loss, and the chosen lr's over the seeds, mean +- sample standard deviation.
-   A sweep costs ~35 s of Ray start-up here, minutes less than its trials: `paralm sweep` it is. Its
-   trials run one thread each, as many at once as the machine has cores.
+   A sweep of two 3-step trials took 49 s here at load 1 (~100 s at load 8), nearly all Ray's start-up;
+   these trials take minutes: `paralm sweep` it is. Its trials run one thread each, as many at once as the machine has cores. The defaults took
+   34 min on 2 cores under a load of 7-10 (docs/muon.md, Measured).
 2. share: 2 warm-up steps then `--share-steps` timed ones of the tiny model in this script's own ranks
    (forked, one thread each), the optimizer's `step` wrapped with a clock on rank 0 (paralm's metrics
    time the whole step only). Median optimizer time over median step time.
