@@ -15,9 +15,9 @@ emulated, ~0.8 s for one 384 x 384 matrix on one thread, ~50 s per optimizer ste
    runs seeds 1.. in a second sweep (`--configs` of the two best trials' resolved configs). Printed: every
    lr's seed-0 validation loss, and the chosen lr's over the seeds, mean +- sample standard deviation.
    A sweep of two 3-step trials took 49 s here at load 1 (~100 s at load 8), nearly all Ray's start-up;
-   these trials take minutes: `paralm sweep` it is. Its trials run one thread each, as many at once as the machine has cores. The defaults took
-   34 min on 2 cores under a load of 7-10 (docs/muon.md, Measured).
-2. share: 2 warm-up steps then `--share-steps` timed ones of the tiny model in this script's own ranks
+   these trials take minutes: `paralm sweep` it is. Its trials run one thread each, as many at once as the
+   machine has cores. The defaults took 34 min on 2 cores under a load of 7-10 (docs/muon.md, Measured).
+2. share: 2 warm-up steps then `--share-steps` timed ones of each model in this script's own ranks
    (forked, one thread each), the optimizer's `step` wrapped with a clock on rank 0 (paralm's metrics
    time the whole step only). Median optimizer time over median step time.
 3. parity: the blocks' weight matrices of each model (paralm's `muon_matrices`), stepped by paralm's Muon
