@@ -71,6 +71,11 @@ ARGS = {
         "--block",
         "32",
     ],
+    # the loss part is left out: each of its two `paralm sweep`s starts Ray (~100 s under load here)
+    "muon.py": [
+        *("--parts", "share", "parity", "--layouts", "zero3", "--share-steps", "1", "--parity-steps", "1"),
+        *("--block", "32", "--batch", "2"),
+    ],
     "observe_overhead.py": ["--steps", "1", "--rounds", "1", "--d-model", "32", "--n-layer", "1"],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "moe.py": ["--steps", "3", "--eps", "2"],
