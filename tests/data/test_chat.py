@@ -144,3 +144,49 @@ def test_malformed_chats_are_one_line_errors_and_nothing_is_written(folders, tmp
         prepare_dataset([_write(tmp_path / "chats.jsonl", rows)], str(tmp_path / "ds"), str(folder), 0, 0.1, chat=True)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
+
+
+@pytest.mark.parametrize("long", ["truncate", "drop"])
+def test_conversations_over_max_tokens_are_cut_or_dropped_counted_and_said_once(folders, tmp_path, capsys, long):
+    root, marked, _ = folders
+    encoded = [ChatRenderer(marked).encode(Chat("", c)) for c in _conversations(60)]
+    limit = int(np.median([len(ids) for ids, _ in encoded]))
+    over = [(ids, mask) for ids, mask in encoded if len(ids) > limit]
+    kept = [len(ids) for ids, _ in encoded if len(ids) <= limit]
+    if long == "truncate":
+        kept += [limit for _, mask in over if mask[:limit].any()]
+    prepare_dataset(
+        [str(root / "chats.jsonl")], str(tmp_path / "ds"), str(marked), 0, 0.1, chat=True, max_tokens=limit, long=long
+    )
+    meta = read_meta(tmp_path / "ds")
+    assert meta["documents"] == len(kept) and len(over) > 0
+    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == sum(kept)
+    record = {"max_tokens": limit, "long": long, "count": len(over), "dropped": 60 - len(kept)}
+    assert meta["long_conversations"] == record
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{len(over)} of 60 conversations are longer than --max-tokens {limit}" in lines[0]
+    assert f"{60 - len(kept)} dropped (--long {long})" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"chat": False, "max_tokens": 64}, r"--max-tokens limits --chat conversations.*add --chat"),
+        ({"long": "drop"}, r"--long says .*: add --max-tokens N"),
+        ({"max_tokens": 1}, r"--max-tokens 1 .*at least 2"),
+        ({"max_tokens": 3, "long": "drop"}, r"every conversation is longer than --max-tokens 3: raise it"),
+    ],
+)
+def test_length_limit_mistakes_are_one_line_errors(folders, tmp_path, options, match):
+    root, marked, _ = folders
+    with pytest.raises(UserError, match=match):
+        prepare_dataset(
+            [str(root / "chats.jsonl")], str(tmp_path / "ds"), str(marked), 0, 0.1, **{"chat": True, **options}
+        )
+    assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
+
+
+def test_the_chat_template_stays_with_the_prepared_data(folders, tmp_path):
+    root, marked, _ = folders
+    prepare_dataset([str(root / "chats.jsonl")], str(tmp_path / "ds"), str(marked), 0, 0.1, chat=True)
+    assert json.loads((tmp_path / "ds" / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paralm.data.chat import Chat, ChatRenderer
+from paralm.data.chat import Chat, ChatRenderer, LengthLimit
 
 BATCH_BYTES = 1 << 20
 
@@ -33,6 +33,7 @@ class Encoding:
     val_fraction: float
     dtype: str
     chat_dir: str | None = None  # conversations: rendered with this tokenizer folder's chat template
+    limit: LengthLimit | None = None  # conversations: what becomes of those over --max-tokens
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Encoded:
     val: Split
     documents: int
     text_bytes: int
+    long: int = 0  # conversations over the length limit
+    dropped: int = 0  # of those, the ones left out
 
 
 _worker_state: tuple[Encoding, object] | None = None
@@ -80,9 +83,12 @@ def encode_batch(encoding: Encoding, backend, texts: list) -> Encoded:
     """Each document as [bos] + tokens + [eot] (where defined), its first (1 - val_fraction) tokens to
     train and the rest to validation, so every document feeds both splits in proportion. A conversation
     is its chat template's rendering alone, with its loss mask."""
-    masks = None
+    masks, long = None, 0
     if isinstance(backend, ChatRenderer):
         encoded = [backend.encode(chat) for chat in texts]
+        if encoding.limit is not None:
+            long = sum(len(ids) > encoding.limit.max_tokens for ids, _ in encoded)
+            encoded = [pair for pair in (encoding.limit.apply(*pair) for pair in encoded) if pair is not None]
         docs, masks = [ids for ids, _ in encoded], [mask for _, mask in encoded]
         size = sum(_size(chat) for chat in texts)
     elif backend is None:
@@ -101,7 +107,8 @@ def encode_batch(encoding: Encoding, backend, texts: list) -> Encoded:
     cuts = [len(d) - int(round(len(d) * encoding.val_fraction)) for d in docs]
     train = _split(docs, masks, cuts, dtype, head=True)
     val = _split(docs, masks, cuts, dtype, head=False)
-    return Encoded(train, val, len(texts), size)
+    dropped = len(texts) - len(docs)
+    return Encoded(train, val, len(docs), size, long, dropped)
 
 
 def _split(docs: list, masks: list | None, cuts: list[int], dtype: np.dtype, head: bool) -> Split:
