@@ -101,6 +101,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         seed=args.seed,
         checkpoint=args.checkpoint,
         use_cache=not args.no_kv_cache,
+        chat=args.chat,
     )
     print(text)
     return 0
@@ -269,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument(
         "--no-kv-cache", action="store_true", help="recompute the whole context for every token (same output, slower)"
+    )
+    generate.add_argument(
+        "--chat", action="store_true", help="answer --prompt as one user turn with the run's chat template"
     )
     generate.set_defaults(func=_generate)
 
