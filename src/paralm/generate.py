@@ -3,13 +3,12 @@ model, with the run's tokenizer's own chat template."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from paralm.data.shards import read_meta
-from paralm.data.tokenizer import SPECIALS_FILE, load_tokenizer
+from paralm.data.tokenizer import load_tokenizer
 from paralm.errors import UserError
 from paralm.models.sampling import generate
 from paralm.runs import load_trained_model
@@ -51,24 +50,19 @@ def generate_from_run(
 
 
 class ChatTemplate:
-    """The chat template kept with a run's data (its tokenizer folder's `tokenizer_config.json`), through
+    """The chat template kept with a run's data (from its tokenizer folder's `tokenizer_config.json`), through
     transformers' template engine, and the tokens that end a reply: the end of text and the special token
     the template puts right after an assistant's turn (e.g. `<|im_end|>`, `<|eot_id|>`)."""
 
     def __init__(self, data_dir: Path) -> None:
-        from transformers import PreTrainedTokenizerFast
+        from paralm.hf.export import transformers_tokenizer
 
-        from paralm.hf.export import hf_tokenizer
-
-        path = data_dir / SPECIALS_FILE
-        template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
-        if not isinstance(template, str) or not template:
+        self.tokenizer = transformers_tokenizer(data_dir)
+        if not self.tokenizer.chat_template:
             raise UserError(
                 f"--chat: the run's tokenizer ({data_dir}) has no chat template: train on data prepared with a "
                 "tokenizer folder whose tokenizer_config.json has a chat_template, or drop --chat"
             )
-        backend, specials = hf_tokenizer(data_dir)
-        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **specials)
         self.stop = sorted({self.tokenizer.eos_token_id, *self._end_of_turn()})
 
     def _render(self, messages: list[dict], **options: bool) -> str:
