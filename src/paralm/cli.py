@@ -108,9 +108,13 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.hf.adapters import export_adapters
     from paralm.hf.export import export_run
 
     refuse_overrides("export", overrides)
+    if args.adapters_only:
+        print(export_adapters(args.run, args.out, args.checkpoint, args.max_shard_size))
+        return 0
     print(export_run(args.run, args.out, checkpoint=args.checkpoint, max_shard_size=args.max_shard_size))
     return 0
 
@@ -285,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-size",
         help="write shards of at most this size (e.g. 100KB, 5GB) and their index, as transformers does",
+    )
+    export.add_argument(
+        "--adapters-only", action="store_true", help="a LoRA run's adapters as a PEFT folder, for the exported base"
     )
     export.set_defaults(func=_export)
 
