@@ -101,15 +101,20 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         seed=args.seed,
         checkpoint=args.checkpoint,
         use_cache=not args.no_kv_cache,
+        chat=args.chat,
     )
     print(text)
     return 0
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from paralm.hf.adapters import export_adapters
     from paralm.hf.export import export_run
 
     refuse_overrides("export", overrides)
+    if args.adapters_only:
+        print(export_adapters(args.run, args.out, args.checkpoint, args.max_shard_size))
+        return 0
     print(export_run(args.run, args.out, checkpoint=args.checkpoint, max_shard_size=args.max_shard_size))
     return 0
 
@@ -270,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--no-kv-cache", action="store_true", help="recompute the whole context for every token (same output, slower)"
     )
+    generate.add_argument(
+        "--chat", action="store_true", help="answer --prompt as one user turn with the run's chat template"
+    )
     generate.set_defaults(func=_generate)
 
     export = verbs.add_parser(
@@ -281,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-size",
         help="write shards of at most this size (e.g. 100KB, 5GB) and their index, as transformers does",
+    )
+    export.add_argument(
+        "--adapters-only", action="store_true", help="a LoRA run's adapters as a PEFT folder, for the exported base"
     )
     export.set_defaults(func=_export)
 

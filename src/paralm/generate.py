@@ -1,6 +1,9 @@
-"""`paralm generate`: continue a prompt with a trained run's model."""
+"""`paralm generate`: continue a prompt with a trained run's model, or (`--chat`) answer it as a chat
+model, with the run's tokenizer's own chat template."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -20,17 +23,68 @@ def generate_from_run(
     seed: int = 0,
     checkpoint: str | None = None,
     use_cache: bool = True,
+    chat: bool = False,
 ) -> str:
-    """The prompt followed by `max_new_tokens` sampled tokens, decoded to text."""
+    """The prompt followed by `max_new_tokens` sampled tokens, decoded to text; with `chat`, only the reply
+    to the prompt as one user turn, up to the template's end of turn."""
     if max_new_tokens < 0 or temperature < 0 or top_k < 0:
         raise UserError("--max-new-tokens, --temperature and --top-k must not be negative")
     loaded = load_trained_model(run_dir, checkpoint)
     tokenizer = load_tokenizer(read_meta(loaded.data_dir)["tokenizer"], loaded.data_dir)
-    ids = tokenizer.encode(prompt)
+    template = ChatTemplate(loaded.data_dir) if chat else None
+    ids = template.prompt(prompt) if template else tokenizer.encode(prompt)
     if not ids:
         raise UserError("--prompt is empty: give at least one character")
     generator = torch.Generator(device=loaded.device).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     block_size = loaded.config.model.block_size
-    out = generate(loaded.model, idx, max_new_tokens, block_size, temperature, top_k or None, generator, use_cache)
-    return tokenizer.decode(out[0].tolist())
+    stop = template.stop if template else None
+    out = generate(
+        loaded.model, idx, max_new_tokens, block_size, temperature, top_k or None, generator, use_cache, stop
+    )[0].tolist()
+    if template is None:
+        return tokenizer.decode(out)
+    reply = out[len(ids) :]
+    ends = [i for i, token in enumerate(reply) if token in template.stop]
+    return tokenizer.decode(reply[: ends[0]] if ends else reply)
+
+
+class ChatTemplate:
+    """The chat template kept with a run's data (from its tokenizer folder's `tokenizer_config.json`), through
+    transformers' template engine, and the tokens that end a reply: the end of text and the special token
+    the template puts right after an assistant's turn (e.g. `<|im_end|>`, `<|eot_id|>`)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        from paralm.hf.export import transformers_tokenizer
+
+        self.tokenizer = transformers_tokenizer(data_dir)
+        if not self.tokenizer.chat_template:
+            raise UserError(
+                f"--chat: the run's tokenizer ({data_dir}) has no chat template: train on data prepared with a "
+                "tokenizer folder whose tokenizer_config.json has a chat_template, or drop --chat"
+            )
+        self.stop = sorted({self.tokenizer.eos_token_id, *self._end_of_turn()})
+
+    def _render(self, messages: list[dict], **options: bool) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except TemplateError as e:
+            raise UserError(f"--chat: the run's chat template fails on a user turn ({e}): fix its template") from None
+
+    def prompt(self, text: str) -> list[int]:
+        """`text` as one user turn and the generation prompt, tokenized as `data prepare --chat` does."""
+        rendered = self._render([{"role": "user", "content": text}], add_generation_prompt=True)
+        return self.tokenizer.backend_tokenizer.encode(rendered, add_special_tokens=False).ids
+
+    def _end_of_turn(self) -> list[int]:
+        """The special token the template writes right after an assistant's reply, if it writes one."""
+        marker = "\x00reply\x00"
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+        after = self._render(turns).partition(marker)[2]
+        ids = self.tokenizer.backend_tokenizer.encode(after, add_special_tokens=False).ids
+        specials = set(self.tokenizer.all_special_ids) | {
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special
+        }
+        return ids[:1] if ids and ids[0] in specials else []

@@ -191,3 +191,49 @@ def test_heldout_perplexity_is_the_exported_model_loss_on_the_file(run, tmp_path
         total += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
         count += len(y)
     assert abs(loss - total / count) < 1e-4 and math.isfinite(loss)
+
+
+def _chat_task(tmp):
+    """Yes/no questions as the chat run was trained on them (a reply says whether " model" is asked about)."""
+    asks = ["the model trains", "data on many ranks", "a loss step", "with model parallel", "tensor batch"]
+    docs = [{"q": q, "choices": ["no", "yes"], "answer": int(" model" in f" {q}")} for q in asks]
+    (tmp / "chat.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    (tmp / "chat_tasks").mkdir()
+    (tmp / "chat_tasks" / "chat.yaml").write_text(
+        f"task: local_chat\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp / 'chat.jsonl'}\n"
+        'test_split: test\noutput_type: multiple_choice\ndoc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
+    )
+    return tmp / "chat_tasks"
+
+
+@pytest.mark.slow
+def test_the_chat_template_is_applied_as_lm_eval_hf_model_applies_it(tmp_path_factory, tmp_path, bpe_run, capsys):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from tests.chat_helpers import chat_run
+
+    run_dir, exported, _ = chat_run(tmp_path_factory.mktemp("chat_run"))
+    mine, _ = paralm_lm(str(run_dir), None, batch_size=4)
+    theirs = HFLM(pretrained=str(exported), dtype="float32", device="cpu", batch_size=4)
+    assert mine.chat_template(True) == theirs.chat_template(True) and "<|im_start|>" in mine.chat_template(True)
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the model"}]
+    for messages, prompt in ((history, True), ([*history, {"role": "assistant", "content": "ye"}], False)):
+        assert mine.apply_chat_template(messages, prompt) == theirs.apply_chat_template(messages, prompt)
+
+    manager = TaskManager(include_path=str(_chat_task(tmp_path)))
+    scored = [
+        lm_eval.simple_evaluate(model=lm, tasks=["local_chat"], task_manager=manager, apply_chat_template=True)
+        for lm in (mine, theirs)
+    ]
+    samples = [s["samples"]["local_chat"] for s in scored]
+    for a, b in zip(*samples, strict=True):
+        assert a["arguments"] == b["arguments"] and a["arguments"][0][0].startswith("<|im_start|>user\n")
+        for (x, _), (y, _) in zip(a["filtered_resps"], b["filtered_resps"], strict=True):
+            assert abs(x - y) <= 1e-4
+    assert scored[0]["results"]["local_chat"]["acc,none"] == scored[1]["results"]["local_chat"]["acc,none"]
+
+    args = ["eval", "--run", str(bpe_run[0]), "--tasks", "local_chat", "--include-path", str(tmp_path / "chat_tasks")]
+    assert main([*args, "--apply-chat-template"]) == 2
+    assert "has no chat template" in capsys.readouterr().err.strip().splitlines()[-1]

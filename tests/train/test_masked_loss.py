@@ -16,7 +16,7 @@ from paralm.data.shards import IGNORE
 from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
-from tests.data.test_chat import TEMPLATE, _conversations, _tokenizer
+from tests.chat_helpers import TEMPLATE, chat_tokenizer, conversations
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 
@@ -24,9 +24,9 @@ from tests.multiprocess import run_ranks
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in _conversations(150)))
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(150)))
     prepare_dataset(
-        [str(root / "chats.jsonl")], str(root / "ds"), str(_tokenizer(root / "tok", TEMPLATE)), 0, 0.1, chat=True
+        [str(root / "chats.jsonl")], str(root / "ds"), str(chat_tokenizer(root / "tok", TEMPLATE)), 0, 0.1, chat=True
     )
     return root / "ds"
 

@@ -23,6 +23,35 @@ from paralm.errors import UserError
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+LONG_POLICIES = ("truncate", "drop")
+
+
+@dataclass(frozen=True)
+class LengthLimit:
+    """`--max-tokens` and `--long`: packed training cuts a conversation longer than a window into pieces
+    whose later ones lose the prompt, so such a conversation is cut to its first `max_tokens` tokens
+    (`truncate`; one that keeps no assistant token is dropped) or left out (`drop`)."""
+
+    max_tokens: int
+    long: str = "truncate"
+
+    def apply(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The conversation within the limit, or None where it is left out."""
+        if len(ids) <= self.max_tokens:
+            return ids, mask
+        if self.long == "drop" or not mask[: self.max_tokens].any():
+            return None
+        return ids[: self.max_tokens], mask[: self.max_tokens]
+
+    def note(self, long: int, dropped: int, conversations: int) -> str:
+        """The one line `prepare` says when conversations were over the limit."""
+        cut = f"{long - dropped} truncated, " if self.long == "truncate" else ""
+        return (
+            f"paralm data prepare: {long} of {conversations} conversations are longer than --max-tokens "
+            f"{self.max_tokens}: {cut}{dropped} dropped (--long {self.long})"
+        )
+
+
 @dataclass(frozen=True)
 class Chat:
     """One conversation and where it was read (`file:line`), for error messages."""

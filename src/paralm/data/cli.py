@@ -23,6 +23,8 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
         workers=args.workers,
         dedup=args.dedup,
         chat=args.chat,
+        max_tokens=args.max_tokens,
+        long=args.long,
     )
     print(summary)
     return 0
@@ -47,4 +49,10 @@ def add_data_verb(verbs: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="conversations, rendered with the tokenizer's chat template (docs/sft.md)"
     )
     prepare.add_argument("--messages-field", default="messages", help="with --chat: the field holding the messages")
+    prepare.add_argument(
+        "--max-tokens", type=int, help="with --chat: the most tokens a conversation keeps (e.g. model.block_size + 1)"
+    )
+    prepare.add_argument(
+        "--long", choices=("truncate", "drop"), help="with --max-tokens: cut longer conversations (default) or drop"
+    )
     prepare.set_defaults(func=_prepare)

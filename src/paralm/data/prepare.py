@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from paralm.config.mixture import Source, parse_mixture
 from paralm.config.schema import DataConfig
-from paralm.data.chat import Chat
+from paralm.data.chat import LONG_POLICIES, Chat, LengthLimit
 from paralm.data.corpus import default_corpus
+from paralm.data.counting import Progress, Unique
 from paralm.data.shards import (
     FORMAT_VERSION,
     MARKER,
@@ -31,7 +29,7 @@ from paralm.data.shards import (
     written_by_paralm,
 )
 from paralm.data.sources import TextFields, iter_chats, iter_documents, resolve_inputs
-from paralm.data.tokenize_pool import Encoded, Encoding, encode_stream
+from paralm.data.tokenize_pool import Encoding, encode_stream
 from paralm.data.tokenizer import BPE_FILE, SPECIALS_FILE, BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer
 from paralm.errors import UserError
 from paralm.hardware import cache_dir
@@ -47,10 +45,12 @@ def write_dataset(
     workers: int = 1,
     dedup: bool = False,
     chat_dir: Path | None = None,
+    limit: LengthLimit | None = None,
 ) -> dict:
     """Tokenize each document (streamed, in `workers` processes) and split it: its first
     (1 - val_fraction) tokens go to train, the rest to validation. Conversations (`chat_dir`: the
-    tokenizer folder whose chat template renders them) are stored with their loss masks. Every document then feeds both
+    tokenizer folder whose chat template renders them) are stored with their loss masks, those over `limit`
+    cut or left out before the split. Every document then feeds both
     splits in proportion, which keeps the validation set representative for single-file corpora too.
     Written into a temporary folder and renamed, so an interrupted run never leaves a folder that looks
     complete (and the next run removes what it left)."""
@@ -68,7 +68,7 @@ def write_dataset(
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens, masked=chat) for split in ("train", "val")}
         unique = Unique(documents) if dedup else None
         progress = Progress(tokenizer.name)
-        encoding = _encoding(tokenizer, val_fraction, dtype, chat_dir)
+        encoding = _encoding(tokenizer, val_fraction, dtype, chat_dir, limit)
         for encoded in encode_stream(encoding, unique or documents, workers):
             for name, split in (("train", encoded.train), ("val", encoded.val)):
                 writers[name].write(split.tokens, split.starts, split.mask)
@@ -77,6 +77,8 @@ def write_dataset(
         progress.close()
         for writer in writers.values():
             writer.close()
+        if progress.documents == 0 and progress.dropped:
+            raise UserError(f"every conversation is longer than --max-tokens {limit.max_tokens}: raise it")
         if progress.documents == 0:
             raise UserError("the inputs hold no documents: check --input (and --text-field / --text-column)")
         tokenizer.save(tmp)
@@ -92,6 +94,7 @@ def write_dataset(
             "document_starts": True,
             "loss_mask": chat,
             **({"trained_tokens": progress.trained} if chat else {}),
+            **({"long_conversations": progress.long_record(limit)} if limit else {}),
             "splits": {s: {"shards": w.shards, "tokens": w.tokens} for s, w in writers.items()},
             "shard_tokens": {
                 name: (tmp / name).stat().st_size // dtype.itemsize for w in writers.values() for name in w.shards
@@ -105,7 +108,9 @@ def write_dataset(
     return meta
 
 
-def _encoding(tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype, chat_dir: Path | None) -> Encoding:
+def _encoding(
+    tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype, chat_dir: Path | None, limit: LengthLimit | None
+) -> Encoding:
     backend = getattr(tokenizer, "backend", None)
     return Encoding(
         None if backend is None else backend.to_str(),
@@ -114,6 +119,7 @@ def _encoding(tokenizer: Tokenizer, val_fraction: float, dtype: np.dtype, chat_d
         val_fraction,
         dtype.name,
         None if chat_dir is None else str(chat_dir),
+        limit,
     )
 
 
@@ -124,43 +130,6 @@ def _remove_abandoned(out: Path) -> None:
         if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
     return True
-
-
-class Unique:
-    """The documents with exact duplicates dropped (a set of 16-byte digests: memory grows with the
-    number of distinct documents, not their size)."""
-
-    def __init__(self, documents: Iterable[str]) -> None:
-        self.documents, self.dropped, self._seen = documents, 0, set()
-
-    def __iter__(self) -> Iterator[str]:
-        for text in self.documents:
-            digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-            if digest in self._seen:
-                self.dropped += 1
-                continue
-            self._seen.add(digest)
-            yield text
-
-
-class Progress:
-    """Documents, tokens and MB/s on a terminal (nothing when stderr is not one)."""
-
-    def __init__(self, name: str) -> None:
-        self.documents = self.tokens = self.text_bytes = self.trained = 0
-        self.started = time.perf_counter()
-        self.bar = tqdm(desc=f"tokenizing ({name})", unit="doc", disable=not sys.stderr.isatty())
-
-    def update(self, encoded: Encoded) -> None:
-        self.documents += encoded.documents
-        self.tokens += len(encoded.train.tokens) + len(encoded.val.tokens)
-        self.text_bytes += encoded.text_bytes
-        seconds = max(time.perf_counter() - self.started, 1e-9)
-        self.bar.update(encoded.documents)
-        self.bar.set_postfix_str(f"{self.tokens:,} tokens, {self.text_bytes / seconds / 1e6:.1f} MB/s", refresh=False)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def check_replaceable(out: Path) -> None:
@@ -221,9 +190,13 @@ def prepare_dataset(
     workers: int = 1,
     dedup: bool = False,
     chat: bool = False,
+    max_tokens: int | None = None,
+    long: str | None = None,
 ) -> str:
-    """The `data prepare` verb: returns a one-paragraph summary for the terminal."""
+    """The `data prepare` verb: returns a one-paragraph summary for the terminal (and says on stderr how
+    many conversations were over `max_tokens`)."""
     check_replaceable(Path(out))  # before reading and tokenizing everything
+    limit = _length_limit(chat, max_tokens, long)
     paths = resolve_inputs(inputs)
     fields = fields or TextFields()
     if chat:
@@ -234,7 +207,13 @@ def prepare_dataset(
         renderer = ChatRenderer(Path(tokenizer))  # refuses a tokenizer without a template before reading
         made = make_tokenizer(tokenizer, vocab_size, lambda: ())
         chats = iter_chats(paths, fields)
-        meta = write_dataset(chats, Path(out), made, val_fraction, workers=workers, chat_dir=renderer.directory)
+        meta = write_dataset(
+            chats, Path(out), made, val_fraction, workers=workers, chat_dir=renderer.directory, limit=limit
+        )
+        record = meta.get("long_conversations")
+        if record and record["count"]:
+            total = meta["documents"] + record["dropped"]
+            print(limit.note(record["count"], record["dropped"], total), file=sys.stderr)
         return _summary(Path(out), meta)
 
     def documents() -> Iterator[str]:
@@ -243,6 +222,18 @@ def prepare_dataset(
     made = make_tokenizer(tokenizer, vocab_size, documents)
     meta = write_dataset(documents(), Path(out), made, val_fraction, workers=workers, dedup=dedup)
     return _summary(Path(out), meta)
+
+
+def _length_limit(chat: bool, max_tokens: int | None, long: str | None) -> LengthLimit | None:
+    if max_tokens is None:
+        if long is not None:
+            raise UserError("--long says what becomes of conversations over --max-tokens: add --max-tokens N")
+        return None
+    if not chat:
+        raise UserError("--max-tokens limits --chat conversations (text is packed across windows): add --chat")
+    if max_tokens < 2 or (long or "truncate") not in LONG_POLICIES:
+        raise UserError(f"--max-tokens {max_tokens} --long {long}: need at least 2 tokens and truncate or drop")
+    return LengthLimit(max_tokens, long or "truncate")
 
 
 def _summary(out: Path, meta: dict) -> str:

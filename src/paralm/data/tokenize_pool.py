@@ -8,6 +8,7 @@ size. Each worker rebuilds the tokenizer from its JSON once, then encodes whole 
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing
 import os
 from collections import deque
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paralm.data.chat import Chat, ChatRenderer
+from paralm.data.chat import Chat, ChatRenderer, LengthLimit
 
 BATCH_BYTES = 1 << 20
 
@@ -33,6 +34,7 @@ class Encoding:
     val_fraction: float
     dtype: str
     chat_dir: str | None = None  # conversations: rendered with this tokenizer folder's chat template
+    limit: LengthLimit | None = None  # conversations: what becomes of those over --max-tokens
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Encoded:
     val: Split
     documents: int
     text_bytes: int
+    long: int = 0  # conversations over the length limit
+    dropped: int = 0  # of those, the ones left out
 
 
 _worker_state: tuple[Encoding, object] | None = None
@@ -71,37 +75,50 @@ def _backend(encoding: Encoding):
     return Tokenizer.from_str(encoding.tokenizer_json)
 
 
-def _encode_in_worker(texts: list[str]) -> Encoded:
+def _encode_in_worker(texts: list[str], first: int) -> Encoded:
     assert _worker_state is not None
-    return encode_batch(*_worker_state, texts)
+    return encode_batch(*_worker_state, texts, first)
 
 
-def encode_batch(encoding: Encoding, backend, texts: list) -> Encoded:
+def encode_batch(encoding: Encoding, backend, texts: list, first: int = 0) -> Encoded:
     """Each document as [bos] + tokens + [eot] (where defined), its first (1 - val_fraction) tokens to
-    train and the rest to validation, so every document feeds both splits in proportion. A conversation
-    is its chat template's rendering alone, with its loss mask."""
-    masks = None
+    train and the rest to validation, so every document feeds both splits in proportion. Conversations
+    (`first`: the input's number of the batch's first) go whole to one split (`_encode_chats`)."""
     if isinstance(backend, ChatRenderer):
-        encoded = [backend.encode(chat) for chat in texts]
-        docs, masks = [ids for ids, _ in encoded], [mask for _, mask in encoded]
-        size = sum(_size(chat) for chat in texts)
-    elif backend is None:
+        return _encode_chats(encoding, backend, texts, first)
+    if backend is None:
         docs = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
         size = sum(len(d) for d in docs)
     else:
         docs = [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch(texts, add_special_tokens=False)]
         size = sum(len(t.encode("utf-8")) for t in texts)
-    if masks is None:
-        head = [] if encoding.bos_id is None else [encoding.bos_id]
-        tail = [] if encoding.eot_id is None else [encoding.eot_id]
-        docs = [
-            np.concatenate([np.asarray(head, dtype=np.int64), ids, np.asarray(tail, dtype=np.int64)]) for ids in docs
-        ]
+    head = np.asarray([] if encoding.bos_id is None else [encoding.bos_id], dtype=np.int64)
+    tail = np.asarray([] if encoding.eot_id is None else [encoding.eot_id], dtype=np.int64)
+    docs = [np.concatenate([head, ids, tail]) for ids in docs]
     dtype = np.dtype(encoding.dtype)
     cuts = [len(d) - int(round(len(d) * encoding.val_fraction)) for d in docs]
-    train = _split(docs, masks, cuts, dtype, head=True)
-    val = _split(docs, masks, cuts, dtype, head=False)
-    return Encoded(train, val, len(texts), size)
+    return Encoded(_split(docs, None, cuts, dtype, True), _split(docs, None, cuts, dtype, False), len(docs), size)
+
+
+def _encode_chats(encoding: Encoding, renderer: ChatRenderer, chats: list[Chat], first: int) -> Encoded:
+    """Each conversation's rendering alone, with its loss mask, within the length limit. Conversation
+    number n goes to validation when floor((n + 1) f) > floor(n f): every 1/f-th, evenly spread. Cutting
+    each one's tail off for validation, as text is, would keep the end of every reply (the end-of-turn
+    token a chat model must learn to write) out of training."""
+    kept, long, limit = [], 0, encoding.limit
+    for number, chat in enumerate(chats, first):
+        pair = renderer.encode(chat)
+        if limit is not None:
+            long += len(pair[0]) > limit.max_tokens
+            pair = limit.apply(*pair)
+        if pair is not None:
+            kept.append((number, *pair))
+    f = encoding.val_fraction
+    docs, masks = [ids for _, ids, _ in kept], [mask for _, _, mask in kept]
+    cuts = [0 if math.floor((n + 1) * f) > math.floor(n * f) else len(ids) for n, ids, _ in kept]
+    dtype = np.dtype(encoding.dtype)
+    train, val = _split(docs, masks, cuts, dtype, True), _split(docs, masks, cuts, dtype, False)
+    return Encoded(train, val, len(docs), sum(_size(c) for c in chats), long, len(chats) - len(docs))
 
 
 def _split(docs: list, masks: list | None, cuts: list[int], dtype: np.dtype, head: bool) -> Split:
@@ -142,15 +159,23 @@ def encode_stream(
     head = list(itertools.islice(stream, 2))
     if workers <= 1 or len(head) < 2:
         backend = _backend(encoding)
-        for batch in itertools.chain(head, stream):
-            yield encode_batch(encoding, backend, batch)
+        for first, batch in _numbered(itertools.chain(head, stream)):
+            yield encode_batch(encoding, backend, batch, first)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     with context.Pool(workers, initializer=_init_worker, initargs=(encoding,)) as pool:
         pending: deque = deque()
-        for batch in itertools.chain(head, stream):
-            pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+        for first, batch in _numbered(itertools.chain(head, stream)):
+            pending.append(pool.apply_async(_encode_in_worker, (batch, first)))
             if len(pending) >= 2 * workers:  # bounded: the reader never runs far ahead of the workers
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+def _numbered(batches: Iterable[list]) -> Iterator[tuple[int, list]]:
+    """Each batch with the number (in the whole input) of its first document."""
+    first = 0
+    for batch in batches:
+        yield first, batch
+        first += len(batch)

@@ -107,9 +107,9 @@ class PretrainedTokenizer(BPETokenizer):
 
     name = "hf"
 
-    def __init__(self, tokenizer, eos: str | None, bos: str | None) -> None:
+    def __init__(self, tokenizer, eos: str | None, bos: str | None, chat_template: str | None = None) -> None:
         super().__init__(tokenizer)
-        self.eos, self.bos = eos, bos
+        self.eos, self.bos, self.chat_template = eos, bos, chat_template
         self.eot_id = None if eos is None else tokenizer.token_to_id(eos)
         self.bos_id = None if bos is None or bos == eos else tokenizer.token_to_id(bos)
 
@@ -126,23 +126,31 @@ class PretrainedTokenizer(BPETokenizer):
             raise UserError(
                 f"tokenizer {file} does not parse as a tokenizer.json ({reason}): pass a valid one"
             ) from None  # noqa: E501
-        eos, bos = _special_names(file.parent / SPECIALS_FILE, tokenizer)
-        return cls(tokenizer, eos, bos)
+        names = _read_config(file.parent / SPECIALS_FILE)
+        eos, bos = _special_names(names, tokenizer)
+        template = names.get("chat_template")
+        return cls(tokenizer, eos, bos, template if isinstance(template, str) else None)
 
     def save(self, directory: Path) -> None:
         super().save(directory)
         specials = {"eos_token": self.eos, "bos_token": self.bos if self.bos_id is not None else None}
+        if self.chat_template:  # kept with the data: `generate --chat` and export use it
+            specials["chat_template"] = self.chat_template
         (directory / SPECIALS_FILE).write_text(json.dumps(specials, indent=1))
 
 
-def _special_names(config: Path, tokenizer) -> tuple[str | None, str | None]:
+def _read_config(config: Path) -> dict:
+    if not config.is_file():
+        return {}
+    try:
+        names = json.loads(config.read_text())
+    except ValueError:
+        raise UserError(f"{config} is not JSON: fix it or remove it") from None
+    return names if isinstance(names, dict) else {}
+
+
+def _special_names(names: dict, tokenizer) -> tuple[str | None, str | None]:
     vocab = tokenizer.get_vocab()
-    names = {}
-    if config.is_file():
-        try:
-            names = json.loads(config.read_text())
-        except ValueError:
-            raise UserError(f"{config} is not JSON: fix it or remove it") from None
     found = []
     for key, defaults in (("eos_token", EOT_NAMES), ("bos_token", BOS_NAMES)):
         value = names.get(key)

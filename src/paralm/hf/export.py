@@ -83,6 +83,17 @@ def hf_tokenizer(data_dir: Path):
     return tokenizer, {"eos_token": eos, "bos_token": bos}
 
 
+def transformers_tokenizer(data_dir: Path, **options):
+    """The dataset's tokenizer as `paralm export` writes it, a transformers `PreTrainedTokenizerFast`, with
+    the chat template kept with the data (if any)."""
+    from transformers import PreTrainedTokenizerFast
+
+    meta = read_meta(data_dir)
+    template = getattr(load_tokenizer(meta["tokenizer"], data_dir), "chat_template", None)
+    backend, specials = hf_tokenizer(data_dir)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **specials, **options)
+
+
 def _is_byte_tokenizer(path: Path) -> bool:
     """Whether a tokenizer file is paralm's byte tokenizer (every byte its own id, no merges)."""
     from tokenizers import Tokenizer

@@ -2,7 +2,8 @@
 
 It scores exactly what lm-eval's own `hf` model scores on the folder `paralm export` writes: the same
 Hugging Face tokenizer (built from the same files), the same context/continuation split (TemplateLM's),
-the same left truncation to `max_length + 1` tokens, and the same rolling windows for perplexity. So
+the same left truncation to `max_length + 1` tokens, the same rolling windows for perplexity, and (with
+`apply_chat_template`) the same rendering of a task's prompts with the run's chat template. So
 `paralm eval --tasks` and `lm_eval --model hf` agree on a run and its export.
 """
 
@@ -27,10 +28,18 @@ from paralm.models.sampling import generate
 class ParalmLM(TemplateLM):
     """A trained paralm model on one process; `tokenizer` is a transformers fast tokenizer."""
 
-    def __init__(self, model: nn.Module, tokenizer, block_size: int, device: torch.device, batch_size: int = 4) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        block_size: int,
+        device: torch.device,
+        batch_size: int = 4,
+        name: str = "paralm",
+    ) -> None:
         super().__init__()
         self.model, self.tokenizer, self._device = model.eval(), tokenizer, device
-        self.max_length, self.batch_size = block_size, batch_size
+        self.max_length, self.batch_size, self.name = block_size, batch_size, name
 
     @property
     def device(self) -> torch.device:
@@ -44,6 +53,28 @@ class ParalmLM(TemplateLM):
     def prefix_token_id(self) -> int:
         bos = self.tokenizer.bos_token_id
         return self.tokenizer.eos_token_id if bos is None else bos
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval keys its cache of chat-rendered requests by: the run."""
+        return self.name.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The run's chat template (lm-eval records it with the results); none when not asked for."""
+        return self.tokenizer.chat_template if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """A task's (few-shot) messages as one prompt, rendered as lm-eval's `hf` model renders them: with
+        the generation prompt, or else the last (assistant) message left open to continue; a template
+        that rejects the system role gets the messages without it."""
+        from jinja2 import TemplateError
+
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": not add_generation_prompt}
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, tokenize=False, **options)
+        except TemplateError:
+            others = [message for message in chat_history if message["role"] != "system"]
+            return self.tokenizer.apply_chat_template(others, tokenize=False, **options)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """As lm-eval's `hf` model: the tokenizer's own special tokens, unless the text starts with the prefix."""

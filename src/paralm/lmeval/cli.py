@@ -17,13 +17,20 @@ def add_task_arguments(evaluate: argparse.ArgumentParser) -> None:
     )
     evaluate.add_argument("--limit", type=int, help="at most this many documents per task")
     evaluate.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
+    evaluate.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="render the tasks' prompts with the run's chat template (as lm_eval --apply_chat_template)",
+    )
     evaluate.add_argument("--heldout", help="perplexity on this text file instead of the validation split")
 
 
 def check_task_options(args: argparse.Namespace) -> None:
     """The task options mean nothing without --tasks, and --heldout nothing with it: say so, not ignore them."""
     given = [
-        f"--{k.replace('_', '-')}" for k in ("include_path", "out", "every_checkpoint", "limit") if getattr(args, k)
+        f"--{k.replace('_', '-')}"
+        for k in ("include_path", "out", "every_checkpoint", "limit", "apply_chat_template")
+        if getattr(args, k)
     ]
     if args.tasks is None and given:
         raise UserError(f"{given[0]} applies to lm-eval tasks: add --tasks NAME[,NAME]")
@@ -49,7 +56,9 @@ def run_tasks(args: argparse.Namespace) -> int:
     by_step = []
     for checkpoint in checkpoints:
         where = checkpoint and str(checkpoint)
-        request = TaskRequest(args.run, tasks, args.include_path, where, args.batch_size, args.limit)
+        request = TaskRequest(
+            args.run, tasks, args.include_path, where, args.batch_size, args.limit, args.apply_chat_template
+        )
         results = evaluate_tasks(request, manager)
         step = checkpoint_step(Path(results["paralm"]["checkpoint"]))
         for line in summary(results):

@@ -19,6 +19,7 @@ class TaskRequest:
     checkpoint: str | None = None
     batch_size: int = 4
     limit: int | None = None
+    apply_chat_template: bool = False
 
 
 def task_manager(include_path: str | None):
@@ -54,7 +55,18 @@ def evaluate_tasks(request: TaskRequest, manager=None) -> dict:
     manager = manager or task_manager(request.include_path)
     check_tasks(manager, request.tasks)
     lm, checkpoint = paralm_lm(request.run, request.checkpoint, request.batch_size)
-    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager, limit=request.limit)
+    if request.apply_chat_template and not lm.tokenizer.chat_template:
+        raise UserError(
+            f"--apply-chat-template: the run {request.run} has no chat template (its data's tokenizer has none): "
+            "train on data prepared with a tokenizer folder that has a chat_template, or drop the option"
+        )
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=request.tasks,
+        task_manager=manager,
+        limit=request.limit,
+        apply_chat_template=request.apply_chat_template,
+    )
     results.pop("samples", None)
     results["paralm"] = {"run": str(request.run), "checkpoint": str(checkpoint)}
     return results
@@ -69,18 +81,16 @@ def _git_commit_quietly() -> str | None:
 
 
 def paralm_lm(run: str, checkpoint: str | None, batch_size: int):
-    """The adapter on a run's checkpoint, with the tokenizer `paralm export` writes; and that checkpoint."""
-    from transformers import PreTrainedTokenizerFast
-
-    from paralm.hf.export import hf_tokenizer
+    """The adapter on a run's checkpoint, with the tokenizer (and chat template) `paralm export` writes;
+    and that checkpoint."""
+    from paralm.hf.export import transformers_tokenizer
     from paralm.lmeval.adapter import ParalmLM
     from paralm.runs import load_trained_model
 
     loaded = load_trained_model(run, checkpoint)
     block_size = loaded.config.model.block_size
-    backend, specials = hf_tokenizer(loaded.data_dir)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=block_size, **specials)
-    return ParalmLM(loaded.model, tokenizer, block_size, loaded.device, batch_size), loaded.checkpoint
+    tokenizer = transformers_tokenizer(loaded.data_dir, model_max_length=block_size)
+    return ParalmLM(loaded.model, tokenizer, block_size, loaded.device, batch_size, str(run)), loaded.checkpoint
 
 
 def write_json(results: dict, out: Path) -> None:

@@ -84,8 +84,8 @@ def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRe
 
 # --- Hugging Face ---
 
-_RENAMES = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj", "ln_1": "ln_1", "ln_2": "ln_2"}
-_QKV = ("wq", "wk", "wv")
+HF_RENAMES = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj", "ln_1": "ln_1", "ln_2": "ln_2"}
+QKV = ("wq", "wk", "wv")
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def _renamed(n_layer: int) -> list[tuple[str, str, bool]]:
     pairs = [(name, f"transformer.{name}", False) for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")]
     for i in range(n_layer):
         p, h = f"blocks.{i}.", f"transformer.h.{i}."
-        for hf_name, name in _RENAMES.items():
+        for hf_name, name in HF_RENAMES.items():
             pairs.append((p + name + ".weight", h + hf_name + ".weight", "ln" not in hf_name))
             pairs.append((p + name + ".bias", h + hf_name + ".bias", False))
     return pairs
@@ -152,8 +152,8 @@ def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
     out = {hf: sd[name].t() if transposed else sd[name] for name, hf, transposed in _renamed(config.n_layer)}
     for i in range(config.n_layer):
         p, h = f"blocks.{i}.", f"transformer.h.{i}."
-        out[h + "attn.c_attn.weight"] = torch.cat([sd[p + f"attn.{w}.weight"] for w in _QKV]).t()
-        out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{w}.bias"] for w in _QKV])
+        out[h + "attn.c_attn.weight"] = torch.cat([sd[p + f"attn.{w}.weight"] for w in QKV]).t()
+        out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{w}.bias"] for w in QKV])
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
@@ -177,7 +177,7 @@ def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
         p, h = f"blocks.{i}.", f"transformer.h.{i}."
         weights = hf[h + "attn.c_attn.weight"].t().split(config.d_model)
         biases = hf[h + "attn.c_attn.bias"].split(config.d_model)
-        for w, weight, bias in zip(_QKV, weights, biases, strict=True):
+        for w, weight, bias in zip(QKV, weights, biases, strict=True):
             out[p + f"attn.{w}.weight"], out[p + f"attn.{w}.bias"] = weight, bias
     out["lm_head.weight"] = out["wte.weight"]
     return {k: v.float().contiguous() for k, v in out.items()}

@@ -19,14 +19,18 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    stop: list[int] | None = None,
 ) -> torch.Tensor:
     """Extend `idx` (batch, seq) by sampling; temperature 0 is greedy, top_k limits the choice.
 
     The context is the last `block_size` tokens: the longest the model was trained on. With
     `use_cache`, keys and values are kept while the whole sequence fits in the context, so each step
     feeds only the new token; once it slides past `block_size`, every step runs the whole window
-    again, as without the cache (the results are the same either way)."""
+    again, as without the cache (the results are the same either way). With `stop` (token ids, e.g. a chat
+    template's end of turn), it ends early once every row has sampled one of them."""
     cache = KVCache(block_size) if use_cache else None
+    stops = None if not stop else torch.tensor(stop, device=idx.device)
+    done = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         if cache is not None and idx.shape[1] <= block_size:
             logits = model(idx[:, cache.length :], cache=cache)[:, -1, :]
@@ -42,4 +46,8 @@ def generate(
             probs = F.softmax(logits.float(), dim=-1)
             next_token = torch.multinomial(probs, num_samples=1, generator=generator)
         idx = torch.cat((idx, next_token), dim=1)
+        if stops is not None:
+            done |= torch.isin(next_token, stops)
+            if bool(done.all()):
+                break
     return idx

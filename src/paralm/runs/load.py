@@ -29,12 +29,13 @@ class TrainedModel:
 
 
 def load_trained_model(
-    run_dir: str | Path, checkpoint: str | None = None, overrides: list[str] | None = None
+    run_dir: str | Path, checkpoint: str | None = None, overrides: list[str] | None = None, merge: bool = True
 ) -> TrainedModel:
     """The model of a run's latest (or a given) checkpoint, on this process's device, in eval mode.
 
     The config is the one the checkpoint was written with, so the model is rebuilt exactly; overrides
-    may change what does not touch the weights (e.g. --train.eval_samples).
+    may change what does not touch the weights (e.g. --train.eval_samples). LoRA adapters are merged
+    into their layers unless `merge` is False (`export --adapters-only` reads them apart).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -56,6 +57,7 @@ def load_trained_model(
     if config.train.lora_rank:  # read as trained, then the adapters folded in: a plain model, the same logits
         apply_lora(model, spec, config.train, announce=False)
     load_checkpoint(path, model)
-    merge_lora(model)
+    if merge:
+        merge_lora(model)
     model.eval()
     return TrainedModel(config, model, path, dataset_dir(config.data), device)
