@@ -23,9 +23,8 @@ from torch import nn
 from paralm.models.config import ModelConfig
 from paralm.models.documents import masked_attend
 from paralm.models.kv_cache import Attend, LayerCache, attend
-from paralm.models.llama import FeedForward, Llama, ffn_hidden
-from paralm.models.moe import MoE
-from paralm.models.moe_config import is_moe_block
+from paralm.models.llama import Block as LlamaBlock
+from paralm.models.llama import Llama
 from paralm.models.rope import inverse_frequencies, rotary_tables, rotate
 
 LATENT_EPS = 1e-6  # DeepSeek-V3's latent norms keep their own epsilon, whatever model.norm_eps says
@@ -35,11 +34,6 @@ def mla_dims(config: ModelConfig) -> tuple[int, int, int]:
     """(query/key width without RoPE, with RoPE, value width) of one head."""
     width = config.d_model // config.n_head
     return config.qk_nope_head_dim or width, config.qk_rope_head_dim, config.v_head_dim or width
-
-
-def expert_hidden(config: ModelConfig) -> int:
-    """The routed and shared experts' SwiGLU width."""
-    return config.moe_hidden or ffn_hidden(config)
 
 
 class LatentAttention(nn.Module):
@@ -91,24 +85,8 @@ class LatentAttention(nn.Module):
         return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(batch, seq, -1)))
 
 
-class Block(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attention = LatentAttention(config)
-        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        moe = is_moe_block(config, index)
-        self.feed_forward = MoE(config, expert_hidden(config), gated=True, layer=index) if moe else FeedForward(config)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache, mask=mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+class Block(LlamaBlock):
+    attention_type = LatentAttention
 
 
 class DeepSeek(Llama):

@@ -16,10 +16,10 @@ import torch
 
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
-from paralm.models.deepseek import expert_hidden, mla_dims
-from paralm.models.llama import ffn_hidden
+from paralm.models.deepseek import mla_dims
+from paralm.models.llama import ffn_hidden, moe_hidden
 from paralm.models.moe_config import is_moe_block
-from paralm.models.spec import StateDict, refuse_differences
+from paralm.models.spec import StateDict, refuse_differences, refuse_unexportable
 
 _SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 _ROTATED = ("attention.wq.weight", "attention.wkv_a.weight")  # rows end with each head's RoPE part
@@ -33,11 +33,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "model.moe_every": (c.moe_every, 1),
         "model.moe_capacity": (c.moe_capacity, 0.0),
     }
-    for name, (got, needed) in refused.items():
-        if got != needed:
-            raise UserError(
-                f"{name} = {got!r}: Hugging Face DeepseekV3 needs {needed!r}, so this model does not export"
-            )
+    refuse_unexportable("DeepseekV3", refused)
     nope, rope, value = mla_dims(c)
     return dict(
         architectures=["DeepseekV3ForCausalLM"],
@@ -45,7 +41,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
         intermediate_size=ffn_hidden(c),
-        moe_intermediate_size=expert_hidden(c),
+        moe_intermediate_size=moe_hidden(c),
         num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head,
         num_key_value_heads=c.n_head,

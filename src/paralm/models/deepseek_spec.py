@@ -16,8 +16,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paralm.errors import UserError
 from paralm.models import deepseek_hf
 from paralm.models.config import ModelConfig
-from paralm.models.deepseek import DeepSeek, expert_hidden, mla_dims
-from paralm.models.llama import TIED, ffn_hidden
+from paralm.models.deepseek import DeepSeek, mla_dims
+from paralm.models.llama import TIED, ffn_hidden, moe_hidden
 from paralm.models.moe_config import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion
@@ -37,7 +37,7 @@ def shape(config: ModelConfig) -> ModelShape:
     `layer_matrices` lists them all the same, as FLOPs match (rows x columns / d_model wide)."""
     d, n, vocab, heads = config.d_model, config.n_layer, config.vocab_size, config.n_head
     nope, rope, value = mla_dims(config)
-    hidden, experts = ffn_hidden(config), expert_hidden(config)
+    hidden, experts = ffn_hidden(config), moe_hidden(config)
     head = ((vocab, d, 1),) if not config.tie_embeddings else ()
     dense = ((hidden, d, 2), (d, hidden, 1))
     layer = (*_attention_matrices(config), *dense)

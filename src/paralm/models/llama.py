@@ -117,10 +117,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    attention_type: type[nn.Module] = Attention  # a family with other attention (DeepSeek's MLA) subclasses
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = self.attention_type(config)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         moe = is_moe_block(config, index)  # SwiGLU experts
         self.feed_forward = MoE(config, moe_hidden(config), gated=True, layer=index) if moe else FeedForward(config)

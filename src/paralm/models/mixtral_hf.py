@@ -22,7 +22,7 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import ffn_hidden
 from paralm.models.moe_config import is_moe_block
-from paralm.models.spec import StateDict, refuse_differences
+from paralm.models.spec import StateDict, refuse_differences, refuse_unexportable
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -40,9 +40,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "model.moe_norm_topk": (c.moe_norm_topk, True),
         "model.moe_hidden": (c.moe_hidden if c.moe_hidden != ffn_hidden(c) else 0, 0),
     }
-    for name, (got, needed) in refused.items():
-        if got != needed:
-            raise UserError(f"{name} = {got!r}: Hugging Face Mixtral needs {needed!r}, so this model does not export")
+    refuse_unexportable("Mixtral", refused)
     return dict(
         architectures=["MixtralForCausalLM"],
         model_type="mixtral",

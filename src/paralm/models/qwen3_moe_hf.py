@@ -16,7 +16,7 @@ from typing import Any
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import moe_hidden
-from paralm.models.spec import refuse_differences
+from paralm.models.spec import refuse_differences, refuse_unexportable
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -29,9 +29,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "model.moe_bias_balance": (c.moe_bias_balance, False),
         "model.moe_capacity": (c.moe_capacity, 0.0),
     }
-    for name, (got, needed) in refused.items():
-        if got != needed:
-            raise UserError(f"{name} = {got!r}: Hugging Face Qwen3-MoE needs {needed!r}, so this model does not export")
+    refuse_unexportable("Qwen3-MoE", refused)
     return dict(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",

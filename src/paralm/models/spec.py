@@ -129,3 +129,13 @@ def refuse_differences(source: str, family: str, differences: dict[str, tuple[An
                 f"{source}: {name} = {got!r}, paralm's {family} needs {needed!r}; "
                 "paralm imports only models it computes exactly"
             )
+
+
+def refuse_unexportable(architecture: str, settings: dict[str, tuple[Any, Any]]) -> None:
+    """A one-line `UserError` for the first setting (name: (found, needed)) under which `architecture`
+    would compute something else than the model does."""
+    for name, (got, needed) in settings.items():
+        if got != needed:
+            raise UserError(
+                f"{name} = {got!r}: Hugging Face {architecture} needs {needed!r}, so this model does not export"
+            )
