@@ -62,15 +62,14 @@ CONFIG = ROOT / "configs/llama-tiny.toml"
 WARMUP = 2  # steps left out of the medians
 
 
-def paralm(args: list[str], threads: int) -> str:
-    """`python -m paralm ARGS` with `threads` threads; its stderr. A failure ends the script with its last line."""
+def paralm(args: list[str], threads: int) -> None:
+    """`python -m paralm ARGS` with `threads` threads; a failure ends the script with its last line."""
     done = subprocess.run(
         [sys.executable, "-m", "paralm", *args], capture_output=True, text=True, env=thread_env(threads)
     )
     if done.returncode:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:]
         raise SystemExit(f"paralm {args[0]} failed: {last}")
-    return done.stderr
 
 
 def make_data(work: Path, block: int, threads: int) -> tuple[Path, Path]:
@@ -107,8 +106,8 @@ def train(run: Path, data: Path, steps: int, lr: float, args: argparse.Namespace
 def summarise(rows: list[dict]) -> dict[str, float]:
     """Medians of the timed figures after the warm-up; sizes, peaks and the held-out loss of the last row."""
     timed = rows[WARMUP:]
-    median = {key: statistics.median(r[key] for r in timed) for key in ("step_time_s", "tokens_per_s")}
-    median["trained_tokens_per_s"] = statistics.median(r["trained_tokens_per_s"] for r in timed)
+    keys = ("step_time_s", "tokens_per_s", "trained_tokens_per_s")
+    median = {key: statistics.median(r[key] for r in timed) for key in keys}
     last = rows[-1]
     sizes = {"trainable": last["grad_bytes"] / 4, "optim_bytes": last["optim_bytes"]}
     peak = max(r["peak_mem_bytes"] for r in rows)
@@ -141,7 +140,7 @@ def masked_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tup
 
 def peft_lora(base_hf: Path, adapters: Path, lora_run: Path, data: Path) -> dict[str, Any]:
     """LoRA in peft on transformers' model of the base, trained as paralm trained `lora_run` (see the
-    module's docstring): the same figures as `summarise`, and the base's held-out loss before training."""
+    module's docstring): its ms per step, tokens/s and losses, and the base's held-out loss before training."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -169,7 +168,7 @@ def peft_lora(base_hf: Path, adapters: Path, lora_run: Path, data: Path) -> dict
 
     before = held_out()
     model.train()
-    seconds, trained, losses = [], [], []
+    seconds, losses = [], []
     for step in range(t.steps):
         start = time.perf_counter()
         x, y = train_set.batch(
@@ -178,21 +177,17 @@ def peft_lora(base_hf: Path, adapters: Path, lora_run: Path, data: Path) -> dict
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, t)
         total, count = masked_loss(model, x, y)
-        loss = total / max(count, 1)
+        loss = total / max(count, 1)  # paralm's normalisation: the batch's trained targets
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         seconds.append(time.perf_counter() - start)
-        trained.append(count)
     tokens = t.micro_batch_size * config.model.block_size
     return {
         "step_time_s": statistics.median(seconds[WARMUP:]),
         "tokens_per_s": statistics.median(tokens / s for s in seconds[WARMUP:]),
-        "trained_tokens_per_s": statistics.median(
-            n / s for n, s in zip(trained[WARMUP:], seconds[WARMUP:], strict=True)
-        ),
         "first_loss": losses[0],
         "loss": losses[-1],
         "val_loss": held_out(),
