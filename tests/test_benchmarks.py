@@ -98,6 +98,10 @@ ARGS = {
         "ps async, slowed",
         "ps async, fast alone",
     ],
+    "sft.py": [
+        *("--base-steps", "1", "--steps", "3", "--ranks", "8", "--n-layer", "1", "--d-model", "32"),
+        *("--block", "64", "--batch", "2", "--eval-samples", "4"),
+    ],
     "step_time.py": ["--steps", "2", "--rounds", "1", "--layouts", "ddp"],
     "tensor_parallel_comm.py": ["--tp", "2", "--batch", "1"],
     "throughput.py": ["--steps", "3", "--models", "tiny"],
