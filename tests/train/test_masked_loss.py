@@ -76,11 +76,24 @@ def _train(config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero, document_mask", [(0, False), (3, True)])
-def test_two_ranks_match_one_process(chat_data, tmp_path, zero, document_mask):
-    """DDP, and ZeRO-3 with document masks: 2 ranks of 2 sequences each give 1 process's 4."""
+@pytest.mark.parametrize(
+    "parallel, document_mask",
+    [
+        ({"zero": 0}, False),
+        ({"zero": 3}, True),
+        ({"tp": 2}, True),
+        ({"pp": 2, "pp_microbatches": 2}, True),
+        ({"cp": 2}, False),
+    ],
+    ids=["ddp", "zero3-documents", "tp2-documents", "pp2-documents", "cp2"],
+)
+def test_two_ranks_match_one_process(chat_data, tmp_path, parallel, document_mask):
+    """DDP, ZeRO-3, TP and 2 pipeline stages with document masks, and context parallelism (which refuses
+    document masks): 2 ranks give 1 process's loss (data parallelism: 2 sequences each of 1 process's 4; TP, PP
+    and CP: the same 4, split by heads, stages or positions, each cp rank's targets counted in the global batch)."""
     single = _config(tmp_path / "single", chat_data, micro_batch_size=4, document_mask=document_mask)
-    ranks = _config(tmp_path / "ranks", chat_data, {"zero": zero}, document_mask, micro_batch_size=2)
+    per_rank = 2 if "zero" in parallel else 4
+    ranks = _config(tmp_path / "ranks", chat_data, parallel, document_mask, micro_batch_size=per_rank)
     train(single)
     run_ranks(_train, 2, tmp_path, ranks)
     assert max(abs(a - b) for a, b in zip(_losses(single), _losses(ranks), strict=True)) < 1e-5
