@@ -31,10 +31,10 @@ def chat_data(tmp_path_factory):
     return root / "ds"
 
 
-def _config(run_dir, data, parallel=None, document_mask=False, **train_fields):
+def _config(run_dir, data, parallel=None, document_mask=False, model=None, **train_fields):
     return tiny_config(
         run_dir,
-        model={"vocab_size": 300},
+        model={"vocab_size": 300, **(model or {})},
         data={"path": str(data), "document_mask": document_mask},
         train={"steps": 3, "eval_samples": 8, **train_fields},
         parallel=parallel or {},
@@ -84,16 +84,18 @@ def _train(config):
         ({"tp": 2}, True),
         ({"pp": 2, "pp_microbatches": 2}, True),
         ({"cp": 2}, False),
+        ({"ep": 2}, True),
     ],
-    ids=["ddp", "zero3-documents", "tp2-documents", "pp2-documents", "cp2"],
+    ids=["ddp", "zero3-documents", "tp2-documents", "pp2-documents", "cp2", "ep2-moe-documents"],
 )
 def test_two_ranks_match_one_process(chat_data, tmp_path, parallel, document_mask):
-    """DDP, ZeRO-3, TP and 2 pipeline stages with document masks, and context parallelism (which refuses
-    document masks): 2 ranks give 1 process's loss (data parallelism: 2 sequences each of 1 process's 4; TP, PP
-    and CP: the same 4, split by heads, stages or positions, each cp rank's targets counted in the global batch)."""
-    single = _config(tmp_path / "single", chat_data, micro_batch_size=4, document_mask=document_mask)
-    per_rank = 2 if "zero" in parallel else 4
-    ranks = _config(tmp_path / "ranks", chat_data, parallel, document_mask, micro_batch_size=per_rank)
+    """DDP, ZeRO-3, TP, 2 pipeline stages and ep 2 (an MoE model) with document masks, and context parallelism
+    (which refuses document masks): 2 ranks give 1 process's loss (data and expert parallelism: 2 sequences each
+    of 1 process's 4; TP, PP and CP: the same 4, split by heads, stages or positions)."""
+    moe = {"moe_experts": 4, "moe_top_k": 2} if "ep" in parallel else None  # ep splits an MoE model's experts
+    single = _config(tmp_path / "single", chat_data, None, document_mask, moe, micro_batch_size=4)
+    per_rank = 2 if "zero" in parallel or "ep" in parallel else 4
+    ranks = _config(tmp_path / "ranks", chat_data, parallel, document_mask, moe, micro_batch_size=per_rank)
     train(single)
     run_ranks(_train, 2, tmp_path, ranks)
     assert max(abs(a - b) for a, b in zip(_losses(single), _losses(ranks), strict=True)) < 1e-5
