@@ -9,6 +9,7 @@ import pytest
 from paralm.data.chat import Chat, ChatRenderer
 from paralm.data.prepare import prepare_dataset
 from paralm.data.shards import IGNORE, TokenDataset, read_meta
+from paralm.data.sources import TextFields
 from paralm.data.tokenize_pool import Encoding, encode_stream
 from paralm.errors import UserError
 from tests.chat_helpers import TEMPLATE, UNMARKED, chat_tokenizer, conversations
@@ -147,3 +148,26 @@ def test_held_out_conversations_do_not_depend_on_the_batching(folders):
         return np.concatenate([e.val.tokens for e in encode_stream(encoding, iter(chats), 1, batch_bytes)])
 
     assert np.array_equal(val(40), val(1 << 20)) and len(val(40)) > 0
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved dataset"])
+def test_parquet_and_saved_datasets_prepare_as_the_jsonl_does(folders, tmp_path, kind):
+    """The same conversations as a Parquet file or a `save_to_disk` folder (with `--messages-field`'s column):
+    the same tokens, masks and document starts as from JSONL."""
+    import datasets
+
+    root, marked, _ = folders
+    table = datasets.Dataset.from_list([{"turns": c} for c in conversations(60)])
+    source = tmp_path / ("chats.parquet" if kind == "parquet" else "chats-saved")
+    if kind == "parquet":
+        table.to_parquet(str(source))
+    else:
+        table.save_to_disk(str(source))
+    prepare_dataset([str(root / "chats.jsonl")], str(tmp_path / "from-jsonl"), str(marked), 0, 0.1, chat=True)
+    prepare_dataset(
+        [str(source)], str(tmp_path / "other"), str(marked), 0, 0.1, chat=True, fields=TextFields(messages="turns")
+    )
+    a, b = TokenDataset(tmp_path / "from-jsonl", "train", 16), TokenDataset(tmp_path / "other", "train", 16)
+    assert np.array_equal(np.asarray(a.shards[0]), np.asarray(b.shards[0]))
+    assert np.array_equal(np.asarray(a.masks[0]), np.asarray(b.masks[0]))
+    assert np.array_equal(a.starts[0], b.starts[0])
