@@ -90,10 +90,14 @@ def _kill_group_1(run: Path, job: subprocess.Popen, after: int) -> str:
 
 
 def _survivors_ran_every_step_once(run: Path, total: int) -> list[list[dict]]:
+    """Each survivor logs every step from the one it joined at to the last, once; one of them from step 0. A
+    group still starting when the first quorum formed (torchft needs only `ft_min_groups`) heals from a peer
+    into a later step, as late as the machine's load makes it."""
     survivors = [_rows(run / f"group-{g}") for g in (0, 2)]
-    for rows in survivors:  # a group still starting when the first quorum formed heals into step 1
+    for rows in survivors:
         first = rows[0]["step"]
-        assert first <= 1 and [r["step"] for r in rows] == list(range(first, total))  # none lost or rerun
+        assert [r["step"] for r in rows] == list(range(first, total))  # none lost or rerun
+    assert min(rows[0]["step"] for rows in survivors) == 0
     return survivors
 
 
