@@ -1,9 +1,12 @@
-"""Shared test helpers: a tiny config, reading a run's metrics, a model with sharper attention."""
+"""Shared test helpers: a tiny config, reading a run's metrics, a model with sharper attention, counting
+host reads."""
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from paralm.config.dims import ParallelDims
@@ -53,3 +56,24 @@ def widened(model: torch.nn.Module, std: float = 0.1) -> torch.nn.Module:
         if param.dim() == 2:
             param.normal_(0.0, std)
     return model
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def host_reads():
+    """The names of the `torch.Tensor` read-backs called inside the block, in order."""
+    seen, patch = [], pytest.MonkeyPatch()
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _name=name, _original=original, **kwargs):
+            seen.append(_name)
+            return _original(self, *args, **kwargs)
+
+        patch.setattr(torch.Tensor, name, read)
+    try:
+        yield seen
+    finally:
+        patch.undo()

@@ -79,6 +79,7 @@ ARGS = {
     "observe_overhead.py": ["--steps", "1", "--rounds", "1", "--d-model", "32", "--n-layer", "1"],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "moe.py": ["--steps", "3", "--eps", "2"],
+    "moe_dispatch.py": ["--steps", "1", "--grid", "2x1", "--no-compile"],
     "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],
     "pipeline_startup.py": ["--pp", "2", "--n-layer", "2", "--d-model", "64"],
     "planner_validation.py": ["--steps", "3", "--rounds", "1", "--runs", "tiny-1"],

@@ -23,7 +23,7 @@ from paralm.errors import UserError
 from paralm.models.moe import local, moe_layers
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
-from tests.helpers import read_metrics, runtime_for, tiny_config
+from tests.helpers import host_reads, read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks
 
 GLOBAL_BATCH = 8
@@ -82,6 +82,44 @@ def test_expert_parallel_matches_one_process(name, tmp_path):
         torch.testing.assert_close(weights[key], value, rtol=0, atol=TOLERANCE, msg=key)
     if model.get("moe_bias_balance"):  # the balancing bias moved, identically
         assert expected_weights["blocks.0.mlp.expert_bias"].abs().max() > 0
+
+
+def reads_of_a_step(config: Config) -> tuple[list[str], list[str]]:
+    """The host reads of this rank's second step, and of its forward and backward alone (the first step
+    builds what the others keep)."""
+    runtime = init_runtime(config.parallel, config.sync)
+    trainer = Trainer(config, runtime_for(config, runtime))
+    engine, passes = trainer.engine, []
+    forward_backward = engine.forward_backward
+
+    def recorded(batches):
+        with host_reads() as seen:
+            loss = forward_backward(batches)
+        passes.append(seen)
+        return loss
+
+    engine.forward_backward = recorded
+    trainer.train_step()
+    trainer.step += 1
+    with host_reads() as whole:
+        trainer.train_step()
+    shutdown(runtime)
+    return whole, passes[-1]
+
+
+@pytest.mark.slow
+def test_dispatch_reads_split_sizes_on_the_host_only_for_the_all_to_all(tmp_path):
+    """A training step of the 2-layer MoE model (fused AdamW, the default) reads nothing back to the host on
+    one process: the experts' grouped matmul takes the tokens per expert as a device tensor. Under ep 2
+    the forward and backward read the all-to-all's split sizes once per MoE layer (NCCL takes them as host
+    integers; the backward reuses them)."""
+
+    def adamw(name: str, ranks: int, parallel: dict) -> Config:
+        return tiny_config(tmp_path / name, model=MOE, parallel=parallel, train={"micro_batch_size": 8 // ranks})
+
+    assert reads_of_a_step(adamw("one", 1, {})) == ([], [])
+    per_rank = run_ranks(reads_of_a_step, 2, tmp_path, adamw("ep", 2, {"ep": 2}))
+    assert [passes for _, passes in per_rank] == [["tolist", "tolist"]] * 2
 
 
 def train(config: Config) -> None:

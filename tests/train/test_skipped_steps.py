@@ -13,7 +13,6 @@ in it (the metrics are read back after it, and only every `log.every` steps on G
 README says so (PowerSGD, fp16).
 """
 
-import contextlib
 import itertools
 import math
 from types import SimpleNamespace
@@ -27,28 +26,8 @@ from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.sync.compression import CountedPowerSGD
 from paralm.train.engine import StepEngine, pins_host_memory
 from paralm.train.trainer import Trainer
-from tests.helpers import read_metrics, tiny_config
+from tests.helpers import host_reads, read_metrics, tiny_config
 from tests.multiprocess import run_ranks
-
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-
-
-@contextlib.contextmanager
-def host_reads():
-    """The names of the `torch.Tensor` read-backs called inside the block, in order."""
-    seen, patch = [], pytest.MonkeyPatch()
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, _name=name, _original=original, **kwargs):
-            seen.append(_name)
-            return _original(self, *args, **kwargs)
-
-        patch.setattr(torch.Tensor, name, read)
-    try:
-        yield seen
-    finally:
-        patch.undo()
 
 
 def _poison_loss(monkeypatch, steps, rank, factor=float("nan")):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paralm import compat
 from paralm.models.config import ModelConfig
 from paralm.models.moe_config import is_moe_block, moe_layer_count
 
@@ -56,7 +57,8 @@ def local(weight: torch.Tensor) -> torch.Tensor:
 
 class GroupedExperts(nn.Module):
     """`num` MLPs with weights stacked on a leading expert dimension: `gated` SwiGLU (w2(silu(w1 x) *
-    w3 x)), else GELU (w2(gelu(w1 x))). Takes tokens sorted by expert and the count of each."""
+    w3 x)), else GELU (w2(gelu(w1 x))). Takes tokens sorted by expert and the count of each (None: every
+    token to the only expert)."""
 
     def __init__(self, num: int, d_model: int, hidden: int, gated: bool) -> None:
         super().__init__()
@@ -65,15 +67,29 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num, d_model, hidden))
         self.w3 = nn.Parameter(torch.empty(num, hidden, d_model)) if gated else None
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2 = local(self.w1), local(self.w2)
-        w3 = local(self.w3) if self.gated else None
-        outs = []
-        for i, chunk in enumerate(x.split(counts.tolist())):  # the split sizes are read on the host
-            h = chunk @ w1[i].t()
-            h = F.silu(h) * (chunk @ w3[i].t()) if self.gated else F.gelu(h)
-            outs.append(h @ w2[i].t())
-        return torch.cat(outs)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        weights = [local(w) for w in (self.w1, self.w2, self.w3) if w is not None]
+        if torch.is_autocast_enabled(x.device.type):  # the grouped kernel is not on autocast's lists
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        matmul = _expert_matmul(x, weights, counts)
+        h = matmul(x, weights[0])
+        h = F.silu(h) * matmul(x, weights[2]) if self.gated else F.gelu(h)
+        return matmul(h, weights[1])
+
+
+def _expert_matmul(
+    x: torch.Tensor, weights: list[torch.Tensor], counts: torch.Tensor | None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """rows, (experts, out, in) -> each expert's rows times its matrix. With the grouped kernel the counts
+    stay on the device; where it does not run (`compat.grouped_mm_takes`) they are read on the host."""
+    if counts is None:
+        return lambda rows, weight: rows @ weight[0].t()
+    if compat.grouped_mm_takes(x, *weights):
+        ends = counts.cumsum(0, dtype=torch.int32)
+        return lambda rows, weight: compat.grouped_mm(rows, weight, ends)
+    sizes = counts.tolist()
+    return lambda rows, weight: torch.cat([c @ w.t() for c, w in zip(rows.split(sizes), weight, strict=True)])
 
 
 class MoE(nn.Module):
@@ -137,7 +153,7 @@ class MoE(nn.Module):
         routed = self.experts(flat[token], kept) * weights.flatten()[order, None].to(flat.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed)
         if self.shared is not None:
-            out = out + self.shared(flat, torch.tensor([flat.shape[0]]))
+            out = out + self.shared(flat)
         if self.training:
             self._account(logits, scores, chosen, counts, kept, batch)
         return self.dropout(out.view(batch, seq, d))

@@ -5,7 +5,8 @@ neighbours; the ranks of a group see different data and hold different experts (
 by expert, so checkpoints are saved by expert and load at any ep), and the groups hold copies.
 Around each `MoE.experts` call (tokens sorted by expert, the count per expert) the tokens travel to
 the rank holding their expert and back, by `all_to_all_single`: the counts first (fixed sizes), then
-the tokens with those splits. Routing itself is unchanged, so with dropless routing a step computes
+the tokens with those splits, which the host reads (once per MoE layer and forward: NCCL's all-to-all
+takes its splits as host integers). Routing itself is unchanged, so with dropless routing a step computes
 what one process computes.
 
 Gradients: the dense parameters sync as without ep (DDP or FSDP). An expert's gradient on its rank
@@ -63,8 +64,7 @@ def _dispatch(
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
     by_source = received_counts.view(ep, -1)
-    state.sent = counts.view(ep, -1).sum(1).tolist()
-    state.received = by_source.sum(1).tolist()
+    state.sent, state.received = torch.stack([counts.view(ep, -1).sum(1), by_source.sum(1)]).tolist()  # one host read
     arrived = compat.all_to_all_autograd(tokens, state.received, state.sent, group)
     # arrived is ordered (source rank, local expert); the experts want (local expert, source rank)
     lengths = by_source.t().flatten()
@@ -90,6 +90,7 @@ class ExpertParallel:
 
     def __init__(self, model: nn.Module, runtime: Runtime) -> None:
         self.mesh, self.dp = expert_mesh(runtime), runtime.dims.dp
+        self.copies = {name: self.mesh[name] for name in ("dp_replicate", "edp")}  # sliced once, not per step
         self.parameters: list[nn.Parameter] = []
         self.modules: list[nn.Module] = []
         self.sharded = False  # by FSDP over edp (`shard`)
@@ -110,7 +111,7 @@ class ExpertParallel:
         blocks holding them are wrapped. Weights are sharded along their rows (dim 1): dim 0, the experts, is
         already split by ep and may hold fewer experts than edp ranks."""
         for module in self.modules:
-            fully_shard(module, mesh=self.mesh["edp"], shard_placement_fn=lambda _: Shard(1), **fsdp)
+            fully_shard(module, mesh=self.copies["edp"], shard_placement_fn=lambda _: Shard(1), **fsdp)
         self.sharded = True
         self.parameters = [p for module in self.modules for p in module.parameters()]  # FSDP's new parameters
 
@@ -123,8 +124,8 @@ class ExpertParallel:
         """Each expert's gradient summed over the copies of it (the edp and dp_replicate groups), over dp; sharded
         by FSDP, the edp sum is FSDP's (an average: the divisor is then what edp leaves of dp)."""
         names = ("dp_replicate",) if self.sharded else ("dp_replicate", "edp")
-        groups = [self.mesh[name].get_group() for name in names if self.mesh[name].size() > 1]
-        divisor = self.dp // self.mesh["edp"].size() if self.sharded else self.dp
+        groups = [self.copies[name].get_group() for name in names if self.copies[name].size() > 1]
+        divisor = self.dp // self.copies["edp"].size() if self.sharded else self.dp
         for param in self.parameters:
             if param.grad is None:
                 continue
