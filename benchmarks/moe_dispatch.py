@@ -7,8 +7,8 @@ active FLOPs (SwiGLU width top-k x the expert width).
 
 Every run trains fp32 on a batch of 8 sequences of 128 tokens (d_model 128, expert width 512, dropless);
 tokens/s is the median over `--steps` steps after 3 warm-up steps. Compiled runs (`train.compile`) use
-the loop: `torch._grouped_mm` takes fp32 only in eager CPU mode (its compiled form wants bf16, emulated
-on CPUs without AVX512-BF16), so they show what compiling the rest of the block gains.
+the loop, its split sizes traced as symbols: `torch._grouped_mm` takes fp32 only in eager CPU mode (its
+compiled form wants bf16, emulated on CPUs without AVX512-BF16).
 """
 
 from __future__ import annotations

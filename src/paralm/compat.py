@@ -238,3 +238,10 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> tor
     `ends[g - 1]:ends[g]` (int32, on the device) use matrix g. `torch._grouped_mm` is the only kernel
     that takes the group sizes as a device tensor (no host read); torch 2.13 has no public form of it."""
     return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+
+
+def capture_scalar_outputs() -> None:
+    """Let `torch.compile` trace a tensor read back as numbers (`tolist`, sizes that depend on the data)
+    into the graph rather than stop there: the experts' split sizes where the grouped kernel does not run,
+    and expert parallelism's all-to-all splits. Dynamo's config module is the only switch for it."""
+    torch._dynamo.config.capture_scalar_outputs = True

@@ -142,7 +142,8 @@ class MoE(nn.Module):
         logits, scores, chosen, weights = self.route(flat)
         assigned = chosen.flatten()
         order = assigned.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
-        counts = torch.bincount(assigned, minlength=c.moe_experts)
+        # tokens per expert; bincount's shape would depend on the data, which torch.compile cannot trace
+        counts = assigned.new_zeros(c.moe_experts).index_add_(0, assigned, torch.ones_like(assigned))
         kept = counts
         if c.moe_capacity > 0:
             capacity = math.ceil(c.moe_capacity * flat.shape[0] * k / c.moe_experts)

@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paralm import compat
+
 
 def apply_compile(blocks: nn.ModuleDict) -> None:
-    """Compile the forward of each block in place (a pipeline stage holds some of them)."""
+    """Compile the forward of each block in place (a pipeline stage holds some of them). Sizes read from
+    tensors (MoE's tokens per expert) are traced as symbols, so a block compiles as one graph."""
+    compat.capture_scalar_outputs()
     for block in blocks.values():
         block.forward = torch.compile(block.forward, fullgraph=True)
