@@ -105,3 +105,16 @@ def test_the_search_prices_every_expert_degree_and_picks_one_for_mixtral():
     assert "parallel.ep = 8" in moe_summary(best.layout, work, best.time.ep_comm_s)
     dense = Workload.from_config(load_config("configs/tiny.toml"), 8, "fp32-master")
     assert moe_summary(best.layout, dense, 0.0) is None
+
+
+def test_deepseek_v3s_full_shape_counts_its_papers_parameters_and_fits_1024_h100s():
+    """`configs/deepseek-v3.toml`: 671B parameters, 37B active (DeepSeek-V3's paper, without the MTP module);
+    on 1,024 H100s ZeRO-3 with ep 8, sharding gradients every micro-step, fits a device."""
+    config = load_config("configs/deepseek-v3.toml")
+    shape = model_shape(config.model)
+    assert shape.params / 1e9 == pytest.approx(671, abs=0.5) and 37 <= shape.active_params / 1e9 < 38
+    work = dataclasses.replace(Workload.from_config(config, 15360, "fp32-master"), sharded_accumulation=True)
+    cluster = PRESETS["h100"].with_devices(1024)
+    layout = _layout(dp_shard=1024, ep=8, micro_batch_size=3, grad_accum=5, activation_checkpointing="full")
+    plan = evaluate(layout, work, cluster)
+    assert plan.memory.total <= cluster.memory_bytes and plan.time.ep_comm_s > 0

@@ -19,6 +19,10 @@ LLAMA3_PAPER = "Meta, The Llama 3 Herd of Models (2024), table 4"
 LLAMA3_8B = ("llama", 32, 4096, 32, 8, 14336)
 LLAMA3_70B = ("llama", 80, 8192, 64, 8, 28672)
 LLAMA3_405B = ("llama", 126, 16384, 128, 8, 53248)
+# Qwen3-30B-A3B (its config.json on the Hugging Face hub): 48 layers, every one MoE, 128 experts of width
+# 768, top-8 renormalised, 128-wide heads with q/k norms; the dense width (6144) is unused.
+QWEN3_30B_A3B = ("llama", 48, 2048, 32, 4, 6144)
+QWEN3_MOE = dict(moe_experts=128, moe_top_k=8, moe_hidden=768, head_dim=128, qk_norm=True)
 
 # torchtitan's hosts: Grand Teton, H100 with 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s per GPU. Their note
 # puts the peak between the SXM's and the NVL's datasheet figures, exactly unknown: the midpoint here.
@@ -50,6 +54,7 @@ class PublishedRun:
     attention_kernel: str = "flash2"
     cluster: dict[str, float] = field(default_factory=dict)  # replaced fields of the h100 preset
     vocab: int = 128256
+    model_fields: dict[str, object] = field(default_factory=dict)  # other `model.` fields (MoE, head width)
 
 
 def _titan_8b(name: str, table: str, gpus: int, value: float, **flags: bool) -> PublishedRun:
@@ -234,5 +239,32 @@ RUNS: tuple[PublishedRun, ...] = (
         metric="mfu",
         recipe="fp32-grads",
         compiled=True,
+    ),
+    PublishedRun(
+        "Megatron-Bridge Qwen3-30B-A3B PP 2 (VP 24) x EP 8 FP8, 16 H100",
+        f"{BRIDGE}, Qwen3_30B_a3B",
+        5275,
+        QWEN3_30B_A3B,
+        4096,
+        16,
+        dict(
+            dp_shard=8,
+            zero=1,
+            ep=8,
+            pp=2,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=24,
+            pp_microbatches=32,
+            micro_batch_size=64,
+        ),
+        512,
+        "tokens spread evenly over the experts (the source forces the balance, dropless); no activation "
+        "recompute; distributed optimizer as ZeRO-1; fused kernels priced as compiled, attention as cuDNN's",
+        recipe="fp32-grads",
+        compiled=True,
+        float8=True,
+        attention_kernel="cudnn",
+        vocab=151936,
+        model_fields=QWEN3_MOE,
     ),
 )

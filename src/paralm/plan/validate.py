@@ -59,6 +59,7 @@ def predict(run: PublishedRun) -> float:
         f"--model.vocab_size={run.vocab}",
         f"--model.block_size={run.seq}",
         "--precision.dtype=bf16",
+        *(f"--model.{key}={value}" for key, value in run.model_fields.items()),
     ]
     config, _ = load_request(None, overrides)
     work = dataclasses.replace(
