@@ -3,12 +3,13 @@ step on 1 process, ZeRO-3 and TP 2, and paralm's Muon beside `torch.optim.Muon`.
 
     python benchmarks/muon.py [--models tiny] [--steps 150] [--big-steps 100] [--lrs 1e-3 3e-3 1e-2]
                               [--seeds 3] [--layouts 1proc zero3 tp2] [--share-steps 5] [--parity-steps 5]
-                              [--parts loss share parity]
+                              [--parts loss share parity] [--ns-dtype bf16]
 
 Models: "tiny" is `configs/llama-tiny.toml` (4 x 128); "6x384" the same with 6 layers, d_model 384, 6 heads
 (no GQA), SwiGLU 1024; both train 16 sequences of 128 tokens per step on the embedded corpus, fp32.
 "6x384" is not in the default: on a CPU without bf16 matmuls (AVX2 only) Muon's bf16 Newton-Schulz is
-emulated, ~0.8 s for one 384 x 384 matrix on one thread, ~50 s per optimizer step of that model.
+emulated, ~0.8 s for one 384 x 384 matrix on one thread, ~50 s per optimizer step of that model; run it
+with `--ns-dtype fp32` (`train.muon_ns_dtype`) there. The parity part compares bf16 always (torch's).
 
 1. loss: for each model, one `paralm sweep` grids train.optimizer x `--lrs` at seed 0 (cosine from the lr
    to 0 over `--steps`, a tenth of them warm-up); each optimizer's lr with the lowest validation loss then
@@ -82,6 +83,7 @@ def loss_rows(name: str, steps: int, args: argparse.Namespace, scratch: Path) ->
     model = [f"--model.{k}={v}" for k, v in MODELS[name].items()]
     model += [f"--model.block_size={args.block}", f"--train.micro_batch_size={args.batch}"]
     base = ["--config", str(CONFIG), *model, *schedule(steps), f"--train.eval_samples={args.eval_samples}"]
+    base.append(f"--train.muon_ns_dtype={args.ns_dtype}")
     grid = ["--grid", f"train.optimizer={','.join(OPTIMIZERS)}", "--grid", f"train.lr={','.join(map(str, args.lrs))}"]
     swept = sweep(scratch / f"{name}-lr", [*base, "--train.seed=0", *grid])
     best = {
@@ -113,6 +115,7 @@ def sections(name: str, optimizer: str, parallel: dict[str, int], ranks: int, ar
     dp = ranks // parallel.get("tp", 1)
     steps = 2 + args.share_steps
     config["train"] |= {"steps": steps, "micro_batch_size": args.batch // dp, "eval_every": 0, "optimizer": optimizer}
+    config["train"]["muon_ns_dtype"] = args.ns_dtype
     config["parallel"] = {"dp": -1, **parallel}
     config["checkpoint"] = {"every": 0, "resume": "none"}
     return config
@@ -213,6 +216,7 @@ def main() -> None:
     parser.add_argument("--share-steps", type=int, default=5, help="timed steps per layout, after 2 warm-up")
     parser.add_argument("--parity-steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the parity part")
+    parser.add_argument("--ns-dtype", default="bf16", choices=["bf16", "fp32"], help="Newton-Schulz of loss, share")
     args = parser.parse_args()
     for flag in ("steps", "big_steps", "seeds", "eval_samples", "block", "share_steps", "parity_steps", "threads"):
         if getattr(args, flag) < 1:
@@ -233,11 +237,13 @@ def main() -> None:
                 tokens = steps * args.batch * args.block
                 print(f"{name}: {steps} steps x {args.batch} sequences x {args.block} tokens = {tokens:,} tokens")
             print(f"\nvalidation loss after the same tokens ({args.eval_samples} held-out sequences), fp32")
+            print(f"Muon's Newton-Schulz in {args.ns_dtype}")
             headers = ["model", "optimizer", "lr: val loss (seed 0)", "best lr", "val loss by seed", "mean ± sd"]
             print_table([*headers, "tok/s (seed 0)"], rows)
         if "share" in args.parts:
             rows = [row for name in args.models for row in share_rows(name, args, Path(scratch))]
             print(f"\noptimizer step's share of the step: rank 0, 1 thread per rank, median of {args.share_steps}")
+            print(f"Muon's Newton-Schulz in {args.ns_dtype}")
             print_table(["model", "layout", "optimizer", "step ms", "optimizer ms", "share"], rows)
     if "parity" in args.parts:
         rows = [parity_row(name, args.parity_steps) for name in args.models]

@@ -77,6 +77,12 @@ class TrainConfig:
     beta2: float = option(0.95, "AdamW beta2")
     muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum")
     muon_ns_steps: int = option(5, "Muon's Newton-Schulz iterations per step")
+    muon_ns_dtype: str = option(
+        "bf16",
+        "Muon's Newton-Schulz dtype: bf16 (the references'; emulated, slowly, on CPUs without AVX512-BF16 or AMX) "
+        "or fp32",
+        ("bf16", "fp32"),
+    )
     grad_clip: float = option(1.0, "max global gradient norm; 0 disables clipping")
     eval_every: int = option(100, "evaluate on the validation split every N steps; 0: only at the end")
     eval_samples: int = option(64, "validation sequences per evaluation")

@@ -54,6 +54,7 @@ class Workload:
     # scaled_dot_product_attention runs on GPUs, paralm's; cudnn Transformer Engine's (Megatron).
     attention_kernel: str = "flash2"
     muon_ns_steps: int = 0  # train.optimizer = "muon": its Newton-Schulz steps (`paralm.plan.muon`); 0 without
+    muon_ns_dtype: str = "bf16"  # and their dtype (`train.muon_ns_dtype`)
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
@@ -78,6 +79,7 @@ class Workload:
             config.precision.float8,
             config.train.compile,
             muon_ns_steps=config.train.muon_ns_steps if muon else 0,
+            muon_ns_dtype=config.train.muon_ns_dtype,
         )
 
     @property

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from paralm.config.dtypes import DTYPE_BYTES
 from paralm.models.shape import ModelShape
 from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster
@@ -22,13 +23,16 @@ from paralm.plan.muon_counts import muon_matrices, muon_params, newton_schulz_fl
 GiB = 2**30
 
 
-def _newton_schulz_seconds(shape: ModelShape, steps: int, cluster: Cluster, share: float) -> float:
-    """`share` of the model's matrices (a pipeline rank's layers), each orthogonalised whole in bf16."""
-    dtype = "bf16" if "bf16" in cluster.peak_flops else next(iter(cluster.peak_flops))
+def _newton_schulz_seconds(work: Workload, cluster: Cluster, share: float) -> float:
+    """`share` of the model's matrices (a pipeline rank's layers), each orthogonalised whole in the work's
+    Newton-Schulz dtype (where the cluster lists no peak for it, the first it lists)."""
+    shape, steps = work.shape, work.muon_ns_steps
+    dtype = work.muon_ns_dtype if work.muon_ns_dtype in cluster.peak_flops else next(iter(cluster.peak_flops))
+    size = DTYPE_BYTES[dtype]
     seconds = 0.0
     for rows, cols, count in muon_matrices(shape):
         m, n = min(rows, cols), max(rows, cols)
-        per_step = sum(kernels.matmul(cluster, dtype, a, b, k, 2) for a, b, k in ((m, m, n), (m, m, m), (m, n, m)))
+        per_step = sum(kernels.matmul(cluster, dtype, a, b, k, size) for a, b, k in ((m, m, n), (m, m, m), (m, n, m)))
         seconds += steps * per_step * count * share
     return seconds
 
@@ -49,7 +53,7 @@ def muon_seconds(layout: Layout, work: Workload, cluster: Cluster) -> float:
     gathers = comm.all_gather(nbytes, layout.tp, cluster.link(*groups["tp"]))
     if layout.zero >= 1:
         gathers += comm.all_gather(nbytes, layout.shards, cluster.link(*groups["dp_shard"]))
-    return gathers + _newton_schulz_seconds(shape, work.muon_ns_steps, cluster, share)
+    return gathers + _newton_schulz_seconds(work, cluster, share)
 
 
 def muon_summary(work: Workload, cluster: Cluster) -> str | None:
@@ -62,7 +66,7 @@ def muon_summary(work: Workload, cluster: Cluster) -> str | None:
     return (
         f"muon: on {params / 1e6:.4g}M of {shape.params / 1e6:.4g}M parameters (one fp32 buffer each, AdamW's two "
         f"elsewhere: {optimizer_slots(shape):.2f} slots per parameter); Newton-Schulz {flops / 1e9:.4g} GFLOP per "
-        f"step, {_newton_schulz_seconds(shape, steps, cluster, 1.0):.3g} s in bf16, per pipeline stage's share on "
-        f"every rank; under ZeRO or tp each step also all-gathers {4 * params / GiB:.3g} GiB of fp32 matrices "
+        f"step, {_newton_schulz_seconds(work, cluster, 1.0):.3g} s in {work.muon_ns_dtype}, per pipeline stage's "
+        f"share on every rank; under ZeRO or tp each step also all-gathers {4 * params / GiB:.3g} GiB of fp32 matrices "
         "(per stage's share; in the optimizer time)"
     )

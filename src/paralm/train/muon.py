@@ -3,7 +3,8 @@
 Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training") steps a matrix by the
 orthogonalised Nesterov momentum of its gradient. The math follows `torch.optim.Muon` exactly (its
 tests compare to 1e-6): the momentum buffer is an average, `buf <- lerp(buf, grad, 1 - mu)`, the
-Nesterov input `lerp(grad, buf, mu)`; five quintic Newton-Schulz iterations in bfloat16; decoupled
+Nesterov input `lerp(grad, buf, mu)`; five quintic Newton-Schulz iterations in bfloat16 (fp32 with
+`train.muon_ns_dtype`, for CPUs that emulate bf16 matmuls); decoupled
 weight decay `lr * wd`; the step is scaled by 0.2 * sqrt(max(rows, cols)) (torch's
 `adjust_lr_fn="match_rms_adamw"`) so its RMS is AdamW's and AdamW's learning-rate schedule and weight
 decay carry over.
@@ -37,16 +38,17 @@ from paralm.config.schema import TrainConfig
 # The quintic's coefficients (a, b, c) and the norm's floor, as Keller Jordan's Muon and torch.optim.Muon.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def orthogonalise(matrix: torch.Tensor, steps: int) -> torch.Tensor:
-    """About U V^T of `matrix` = U S V^T, in bfloat16: `steps` iterations of X <- aX + (bA + cA^2)X with
+def orthogonalise(matrix: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """About U V^T of `matrix` = U S V^T, in `dtype`: `steps` iterations of X <- aX + (bA + cA^2)X with
     A = X X^T, from X = matrix / ||matrix||_F, on the wide orientation (A is the smaller Gram matrix).
 
     FLOPs per iteration for X of m x n, m <= n: X X^T 2m^2n, A^2 2m^3, (bA + cA^2) X 2m^2n; so
     `steps` * (4m^2n + 2m^3) in all (`paralm.plan.muon` prices it)."""
     a, b, c = NS_COEFFICIENTS
-    x = matrix.bfloat16()
+    x = matrix.to(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
@@ -57,24 +59,24 @@ def orthogonalise(matrix: torch.Tensor, steps: int) -> torch.Tensor:
     return x.T if tall else x
 
 
-def _orthogonalise_stack(tensor: torch.Tensor, steps: int) -> torch.Tensor:
+def _orthogonalise_stack(tensor: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """`orthogonalise` on each matrix of the last two dimensions (one per expert), in the input's dtype."""
     flat = tensor.reshape(-1, *tensor.shape[-2:])
-    return torch.stack([orthogonalise(m, steps) for m in flat]).reshape(tensor.shape).to(tensor.dtype)
+    return torch.stack([orthogonalise(m, steps, dtype) for m in flat]).reshape(tensor.shape).to(tensor.dtype)
 
 
-def orthogonal_update(update: torch.Tensor, steps: int) -> torch.Tensor:
+def orthogonal_update(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The orthogonalised `update`, laid out as `update` is: a DTensor split inside its matrices is
     gathered first and this rank keeps its part of the result; one split only by expert (or
     replicated) is orthogonalised where it is."""
     if not isinstance(update, DTensor):
-        return _orthogonalise_stack(update, steps)
+        return _orthogonalise_stack(update, steps, dtype)
     matrix_dims = update.ndim - 2
     if all(p.is_replicate() or (p.is_shard() and p.dim < matrix_dims) for p in update.placements):
-        local = _orthogonalise_stack(update.to_local(), steps)
+        local = _orthogonalise_stack(update.to_local(), steps, dtype)
         mesh, placements = update.device_mesh, update.placements
         return DTensor.from_local(local, mesh, placements, shape=update.shape, stride=update.stride())
-    full = _orthogonalise_stack(update.full_tensor(), steps)
+    full = _orthogonalise_stack(update.full_tensor(), steps, dtype)
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
 
 
@@ -96,6 +98,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,
+        ns_dtype: str = "bf16",
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
     ) -> None:
@@ -106,6 +109,7 @@ class Muon(torch.optim.Optimizer):
             momentum=momentum,
             nesterov=nesterov,
             ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
             betas=betas,
             eps=eps,
         )
@@ -132,7 +136,7 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            step = orthogonal_update(update, group["ns_steps"]).to(p.dtype)
+            step = orthogonal_update(update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]]).to(p.dtype)
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(step, alpha=-adjusted_lr(lr, p.shape))
 
@@ -185,6 +189,7 @@ def build_muon(model: nn.Module, train: TrainConfig, blocks: str) -> Muon:
         weight_decay=train.weight_decay,
         momentum=train.muon_momentum,
         ns_steps=train.muon_ns_steps,
+        ns_dtype=train.muon_ns_dtype,
         betas=(train.beta1, train.beta2),
     )
 
@@ -195,6 +200,7 @@ def describe_split(optimizer: torch.optim.Optimizer) -> str:
     adamw = sum(len(g["params"]) for g in optimizer.param_groups if not g.get("use_muon"))
     steps, momentum = optimizer.defaults["ns_steps"], optimizer.defaults["momentum"]
     return (
-        f"optimizer: muon on {muon} tensors (Newton-Schulz {steps} steps, momentum {momentum:g}, "
+        f"optimizer: muon on {muon} tensors (Newton-Schulz {steps} steps in {optimizer.defaults['ns_dtype']}, "
+        f"momentum {momentum:g}, "
         f"lr x 0.2 sqrt(max(rows, cols))), adamw on {adamw} tensors"
     )
