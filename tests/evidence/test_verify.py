@@ -72,3 +72,24 @@ def test_verify_holds_expert_parallelism_to_one_process(tmp_path):
     verdicts = verify(2, ["ep2"], tmp_path, echo=lambda _: None, families=["llama"])
     assert [v.layout for v in verdicts] == ["ep2-moe"]
     assert verdicts[0].holds and max(verdicts[0].loss_gap, verdicts[0].weight_gap) <= 1e-5, table(verdicts)
+
+
+def test_layouts_a_familys_rules_refuse_are_named_with_their_line(tmp_path):
+    matrix = Matrix(tmp_path, echo=lambda _: None, family="deepseek")
+    assert matrix.refusal(CheckedLayout("ddp", 2, {})) is None
+    assert "parallel.tp > 1 is not supported by model.family = 'deepseek'" in matrix.refusal(
+        CheckedLayout("tp2", 2, {"parallel.tp": 2})
+    )
+    ps = CheckedLayout("ps", 2, {"sync.mode": "parameter_server", "sync.ps_servers": 1}, servers=1)
+    assert "parameter_server" in matrix.refusal(ps)
+
+
+@pytest.mark.slow
+def test_verify_holds_the_deepseek_family_and_skips_what_its_rules_refuse(tmp_path):
+    """Latent attention, shared + routed experts with group-limited sigmoid routing and the loss-free bias:
+    ZeRO-3 and its experts over 2 ranks equal one process; TP is skipped with the rules' line."""
+    lines: list[str] = []
+    verdicts = verify(2, ["zero3", "tp2-sp", "ep2"], tmp_path, echo=lines.append, families=["deepseek"])
+    assert [v.layout for v in verdicts] == ["zero3", "ep2-moe"]
+    assert all(v.holds and max(v.loss_gap, v.weight_gap) <= 1e-5 for v in verdicts), table(verdicts)
+    assert any(line.startswith("  skipped deepseek tp2-sp: parallel.tp > 1") for line in lines), lines

@@ -29,6 +29,33 @@ MODELS = {
     "llama": ModelConfig(
         family="llama", n_layer=4, n_head=4, n_kv_heads=2, d_model=32, ffn_hidden=64, block_size=32, vocab_size=256
     ),
+    # DeepSeek-V3's kind: latent attention, a dense first block, shared + routed experts with sigmoid scores,
+    # group-limited top-2 and the loss-free bias. Layouts its rules refuse (tp, pp, cp, the parameter
+    # server) are skipped with their one line.
+    "deepseek": ModelConfig(
+        family="deepseek",
+        n_layer=3,
+        n_head=2,
+        d_model=32,
+        block_size=32,
+        vocab_size=256,
+        ffn_hidden=64,
+        moe_hidden=16,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        moe_experts=4,
+        moe_top_k=2,
+        moe_first_dense=1,
+        moe_shared_expert=True,
+        moe_score="sigmoid",
+        moe_groups=2,
+        moe_topk_groups=1,
+        moe_routed_scale=2.5,
+        moe_bias_balance=True,
+    ),  # fmt: skip
 }
 COMMON_ARGS = [
     "--data.tokenizer=byte",

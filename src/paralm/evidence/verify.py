@@ -13,12 +13,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from paralm.config.dims import ParallelDims
 from paralm.config.load import load_config
+from paralm.config.rules import layout_problem
 from paralm.errors import UserError
 from paralm.evidence.matrix import (
     EXACT_TOLERANCE,
@@ -60,6 +62,10 @@ class Verdict:
     measured: str = ""
 
 
+class Refused(Exception):
+    """A layout paralm's config rules refuse for a family's model: the layout's name and their one line."""
+
+
 class Matrix:
     """Trains one family's model in layouts into a work folder, each once, and the one-process
     reference they are held to."""
@@ -68,7 +74,18 @@ class Matrix:
         self.work, self.echo, self._done = work / family, echo, {}
         self.family, self.model = family, MODELS[family]
 
+    def refusal(self, layout: CheckedLayout) -> str | None:
+        """Why paralm would not train this layout of the family's model (its rules' line), or None."""
+        try:
+            config = load_config(None, layout.args(self.model))
+        except UserError as error:
+            return str(error)
+        return layout_problem(config, layout.ranks, layout.servers)
+
     def train(self, layout: CheckedLayout) -> Trained:
+        reason = self.refusal(layout)
+        if reason:
+            raise Refused(f"{layout.name}: {reason}")
         if layout.name not in self._done:
             started = time.perf_counter()
             run = train_run(Run(layout.name, layout.ranks, layout.args(self.model), self.work / _slug(layout.name)))
@@ -205,11 +222,14 @@ MOE = {"model.moe_experts": 4, "model.moe_top_k": 2}  # the family's model with 
 
 
 def expert_parallel(matrix: Matrix, n: int) -> Verdict:
-    """The MoE version of the family's model, its experts split over 2 ranks (dropless), against its own
-    one-process run: exact."""
-    one = matrix.train(CheckedLayout("moe-one-process", 1, MOE))
-    guarantee = "MoE (4 experts, top-2, dropless), experts over 2 ranks: equals one process"
-    return _within(matrix, CheckedLayout("ep2-moe", 2, MOE | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
+    """The MoE version of the family's model (the model itself if it has experts), its experts split over 2
+    ranks (dropless), against its own one-process run: exact."""
+    m = matrix.model
+    moe = {} if m.moe_experts else MOE
+    one = matrix.train(CheckedLayout("moe-one-process", 1, moe))
+    experts, top_k = (m.moe_experts, m.moe_top_k) if m.moe_experts else (4, 2)
+    guarantee = f"MoE ({experts} experts, top-{top_k}, dropless), experts over 2 ranks: equals one process"
+    return _within(matrix, CheckedLayout("ep2-moe", 2, moe | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
 
 
 # Methods held to a guarantee of their own (expert parallelism: exact, against a model of its own)
@@ -248,10 +268,12 @@ def verify(
         losses = matrix.reference().series("loss")
         if not losses[-1] < losses[0]:
             raise RuntimeError(f"the one-process {family} reference did not train (losses {losses})")
-        verdicts += [
-            (check_context_parallel if "cp" in layout.tags else check_exact)(matrix, layout) for layout in exact
-        ]
-        verdicts += [check(matrix, nproc) for check in approximate]
+        checks = [partial(check_context_parallel if "cp" in x.tags else check_exact, matrix, x) for x in exact]
+        for check in [*checks, *(partial(check, matrix, nproc) for check in approximate)]:
+            try:
+                verdicts.append(check())
+            except Refused as refused:
+                echo(f"  skipped {family} {refused}")
     return verdicts
 
 
