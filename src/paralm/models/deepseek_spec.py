@@ -1,9 +1,10 @@
 """DeepSeek's spec: closed-form counts, the checks on its shape, pipeline parts and Hugging Face mapping.
 
-It composes with data parallelism (DDP, ZeRO; FSDP wraps each block, as Llama's) and expert parallelism,
-which need nothing of a family but its blocks and MoE layers. Multi-head latent attention has no
-tensor-parallel plan here, and pipeline and context parallelism are untested with it: the config rules
-refuse parallel.tp, pp and cp > 1 for this family (`ModelSpec.unsupported`).
+It composes with data parallelism (DDP, ZeRO; FSDP wraps each block, as Llama's), expert parallelism and
+pipeline parallelism (every schedule: `paralm verify --family deepseek`), which need nothing of a family
+but its blocks, MoE layers and pipeline parts. Multi-head latent attention has no tensor-parallel plan
+here, and context parallelism is untested with it: the config rules refuse parallel.tp and cp > 1 for this
+family (`ModelSpec.unsupported`).
 """
 
 from __future__ import annotations
@@ -127,5 +128,5 @@ SPEC = ModelSpec(
         Branch("attention", ("wq", "wkv_b"), "wo", lambda config: config.n_head),  # each head's rows and columns
         Branch("feed_forward", ("w1", "w3"), "w2", ffn_hidden),
     ),
-    unsupported=("tp", "pp", "cp"),
+    unsupported=("tp", "cp"),
 )

@@ -44,12 +44,13 @@ def document_kwargs(rest: tuple | list) -> dict[str, torch.Tensor]:
 
 class _AuxiliaryGradient(torch.autograd.Function):
     """Identity on `output`; in backward, `aux` gets the gradient `weight` (Megatron-LM's
-    MoEAuxLossAutoScaler): the auxiliary loss trains where it was computed, without travelling."""
+    MoEAuxLossAutoScaler): the auxiliary loss trains where it was computed, without travelling. A copy,
+    not a view: zero-bubble pipeline schedules detach a stage's output in place, which a view refuses."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:  # noqa: ANN001
         ctx.weight, ctx.aux_shape = weight, aux.shape
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
