@@ -45,11 +45,11 @@ LAYOUTS = {  # name: (parallel section, micro-batch per rank); 2 ranks each
 WHOLE = muon.orthogonal_update
 
 
-def _shard_alone(update: torch.Tensor, steps: int) -> torch.Tensor:
+def _shard_alone(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The mistake the layouts must not make: orthogonalise this rank's part of a split matrix."""
     if not isinstance(update, DTensor):
-        return WHOLE(update, steps)
-    local = muon._orthogonalise_stack(update.to_local(), steps)
+        return WHOLE(update, steps, dtype)
+    local = muon._orthogonalise_stack(update.to_local(), steps, dtype)
     return DTensor.from_local(local, update.device_mesh, update.placements, shape=update.shape, stride=update.stride())
 
 
