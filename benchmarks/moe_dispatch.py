@@ -7,7 +7,7 @@ active FLOPs (SwiGLU width top-k x the expert width).
 
 Every run trains fp32 on a batch of 8 sequences of 128 tokens (d_model 128, expert width 512, dropless);
 tokens/s is the median over `--steps` steps after 3 warm-up steps. Compiled runs (`train.compile`) use
-the loop, its split sizes traced as symbols: `torch._grouped_mm` takes fp32 only in eager CPU mode (its
+the loop, its split sizes traced as symbols: `F.grouped_mm` takes fp32 only in eager CPU mode (its
 compiled form wants bf16, emulated on CPUs without AVX512-BF16).
 """
 
@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 from common import machine, print_table, step, warm_trainer
 
-from paralm import compat
+from paralm.models import moe
 
 WARMUP = 3
 EXPERT_WIDTH = 512
@@ -44,8 +44,8 @@ def tokens_per_s(experts: int, top_k: int, steps: int, mode: str) -> float:
     """Median tokens/s of `steps` steps; `mode`: eager (the grouped matmul), loop (eager, split sizes read
     on the host) or compiled."""
     sections = _sections(experts, top_k, steps, compiled=mode == "compiled")
-    takes = (lambda *_: False) if mode == "loop" else compat.grouped_mm_takes
-    with mock.patch.object(compat, "grouped_mm_takes", takes), warm_trainer(sections, WARMUP) as trainer:
+    takes = (lambda *_: False) if mode == "loop" else moe.grouped_kernel_takes
+    with mock.patch.object(moe, "grouped_kernel_takes", takes), warm_trainer(sections, WARMUP) as trainer:
         times = []
         for _ in range(steps):
             start = time.perf_counter()

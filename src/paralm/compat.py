@@ -43,8 +43,6 @@ __all__ = [
     "dump_cuda_memory_snapshot",
     "flatten_mesh",
     "flight_recorder",
-    "grouped_mm",
-    "grouped_mm_takes",
     "init_fake_process_group",
     "record_cuda_memory_history",
     "replicate",
@@ -220,24 +218,6 @@ def record_cuda_memory_history(on: bool) -> None:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """The recorded history as a pickle for https://pytorch.org/memory_viz; no public API in torch 2.13."""
     torch.cuda.memory._dump_snapshot(path)
-
-
-def grouped_mm_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `grouped_mm` runs on these operands: widths whose rows are whole 16-byte units and bf16, or
-    any float on a CPU outside `torch.compile` (the eager CPU kernel takes fp32; the compiled form and,
-    as its meta function states, the CUDA kernel want bf16)."""
-    if any(w.shape[-1] * w.element_size() % 16 or w.shape[-2] * w.element_size() % 16 for w in weights):
-        return False
-    if x.dtype == torch.bfloat16:
-        return True
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` sorted by group times each group's (out, in) matrix of `weight` (groups, out, in): rows
-    `ends[g - 1]:ends[g]` (int32, on the device) use matrix g. `torch._grouped_mm` is the only kernel
-    that takes the group sizes as a device tensor (no host read); torch 2.13 has no public form of it."""
-    return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
 
 
 def capture_scalar_outputs() -> None:

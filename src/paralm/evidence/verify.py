@@ -83,10 +83,10 @@ class Matrix:
         return layout_problem(config, layout.ranks, layout.servers)
 
     def train(self, layout: CheckedLayout) -> Trained:
-        reason = self.refusal(layout)
-        if reason:
-            raise Refused(f"{layout.name}: {reason}")
         if layout.name not in self._done:
+            reason = self.refusal(layout)
+            if reason:
+                raise Refused(f"{layout.name}: {reason}")
             started = time.perf_counter()
             run = train_run(Run(layout.name, layout.ranks, layout.args(self.model), self.work / _slug(layout.name)))
             self._done[layout.name] = Trained(step_rows(run.dir), final_weights(run.dir))
@@ -227,7 +227,7 @@ def expert_parallel(matrix: Matrix, n: int) -> Verdict:
     m = matrix.model
     moe = {} if m.moe_experts else MOE
     one = matrix.train(CheckedLayout("moe-one-process", 1, moe))
-    experts, top_k = (m.moe_experts, m.moe_top_k) if m.moe_experts else (4, 2)
+    experts, top_k = moe.get("model.moe_experts", m.moe_experts), moe.get("model.moe_top_k", m.moe_top_k)
     guarantee = f"MoE ({experts} experts, top-{top_k}, dropless), experts over 2 ranks: equals one process"
     return _within(matrix, CheckedLayout("ep2-moe", 2, moe | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
 

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paralm import compat
 from paralm.models.config import ModelConfig
 from paralm.models.moe_config import is_moe_block, moe_layer_count
 
@@ -78,16 +77,28 @@ class GroupedExperts(nn.Module):
         return matmul(h, weights[1])
 
 
+def grouped_kernel_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` runs on these operands: rows of whole 16-byte units, and bf16 (on CUDA from
+    SM 8.0, as its docs state) or any float on a CPU outside `torch.compile` (the eager CPU kernel takes fp32;
+    the compiled form's meta function wants bf16)."""
+    if any(w.shape[-1] * w.element_size() % 16 or w.shape[-2] * w.element_size() % 16 for w in weights):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    return x.dtype == torch.bfloat16 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
 def _expert_matmul(
     x: torch.Tensor, weights: list[torch.Tensor], counts: torch.Tensor | None
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """rows, (experts, out, in) -> each expert's rows times its matrix. With the grouped kernel the counts
-    stay on the device; where it does not run (`compat.grouped_mm_takes`) they are read on the host."""
+    stay on the device (group ends, int32); where it does not run (`grouped_kernel_takes`) they are read on
+    the host."""
     if counts is None:
         return lambda rows, weight: rows @ weight[0].t()
-    if compat.grouped_mm_takes(x, *weights):
+    if grouped_kernel_takes(x, *weights):
         ends = counts.cumsum(0, dtype=torch.int32)
-        return lambda rows, weight: compat.grouped_mm(rows, weight, ends)
+        return lambda rows, weight: F.grouped_mm(rows, weight.transpose(-2, -1), offs=ends)
     sizes = counts.tolist()
     return lambda rows, weight: torch.cat([c @ w.t() for c, w in zip(rows.split(sizes), weight, strict=True)])
 
