@@ -59,9 +59,9 @@ def run(args: list[str], nproc: int, steps: int) -> tuple[str, str, dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20 if GPU else 3, help="steps per row (2 are warm-up)")
-    parser.add_argument("--rows", help="comma-separated row labels to run (default: every row)")
+    parser.add_argument("--rows", nargs="+", help="labels of the rows to run (default: every row)")
     args = parser.parse_args()
-    matrix = [row for row in MATRIX if not args.rows or row[0] in args.rows.split(",")]
+    matrix = [row for row in MATRIX if not args.rows or row[0] in args.rows]
     device = torch.cuda.get_device_name() if GPU else "CPU (no GPU: gloo, tiny model)"
     print(f"device: {device}", *machine(), sep="\n")
     base = ["--config", str(ROOT / "configs/tiny.toml"), "--train.micro_batch_size=4", "--train.grad_accum=1"]

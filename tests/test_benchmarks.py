@@ -56,7 +56,7 @@ ARGS = {
         *("--families", "gpt2", "--schemes", "int8-dynamic-int4-weight", "--seeds", "1"),
         *("--steps", "2", "--finetune-steps", "1", "--n-layer", "1", "--d-model", "32", "--eval-samples", "8"),
     ],
-    "gpu_check.py": ["--rows", "1 proc fp32,ZeRO-3"],  # the script runs; every row runs in benchmarks, not CI
+    "gpu_check.py": ["--rows", "1 proc fp32", "ZeRO-3"],  # the script runs; every row runs in benchmarks, not CI
     "generate_cache.py": [
         "--new-tokens",
         "4",
@@ -80,6 +80,13 @@ ARGS = {
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "moe.py": ["--steps", "3", "--eps", "2"],
     "moe_dispatch.py": ["--steps", "1", "--grid", "2x1", "--no-compile"],
+    "gemm_curve.py": ["--repeats", "1"],
+    "planner_kernels.py": ["--repeats", "1"],
+    "planner_vs_measured.py": [
+        *("--cluster", "h100", "--config", str(BENCHMARKS.parent / "configs/tiny.toml"), "--steps", "1"),
+        *("--modes", "eager"),
+        *("--model.n_layer=1", "--model.d_model=32", "--model.block_size=32", "--precision.dtype=fp32"),
+    ],
     "pipeline_bubble.py": ["--pp", "2", "--microbatches", "2", "--steps", "1"],
     "pipeline_startup.py": ["--pp", "2", "--n-layer", "2", "--d-model", "64"],
     "planner_validation.py": ["--steps", "3", "--rounds", "1", "--runs", "tiny-1"],

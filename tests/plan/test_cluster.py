@@ -121,3 +121,16 @@ def test_a_dtype_with_its_own_curve_is_read_on_it(tmp_path) -> None:
     path.write_text(slow.to_toml().replace("[1024.0, 0.02]", "[1024.0, 0.005]"))
     with pytest.raises(UserError, match="dtype_gemm_efficiency.fp32 must be"):
         load_cluster(path)
+
+
+def test_the_shipped_measured_h200_file_is_the_preset_with_measured_kernels() -> None:
+    """configs/clusters/h200-measured.toml: the h200 preset's machine, its matmul curve read at the
+    smallest side, and both attention kernels with their backward curves."""
+    measured = parse_cluster("configs/clusters/h200-measured.toml:8")
+    preset = PRESETS["h200"].with_devices(8)
+    kernels = dict(gemm_efficiency=preset.gemm_efficiency, gemm_shape="square", attention_efficiency={})
+    same = dict(name=preset.name, memory_bandwidth=preset.memory_bandwidth, **kernels)
+    assert dataclasses.replace(measured, **same) == dataclasses.replace(preset, source=measured.source)
+    assert measured.memory_bandwidth == pytest.approx(preset.memory_bandwidth)
+    assert measured.gemm_shape == "thin"
+    assert set(measured.attention_efficiency) == {"flash2", "flash2_backward", "cudnn", "cudnn_backward"}

@@ -82,6 +82,24 @@ def test_a_thin_matmul_curve_prices_attention_at_the_head_dimension() -> None:
     assert times[1] > times[0]
 
 
+def test_a_measured_attention_backward_is_priced_from_its_own_curve() -> None:
+    """A listed kernel's forward runs at its curve's fraction; its backward, five matmuls to the forward's
+    two, at `<kernel>_backward`'s; with no backward curve, twice the forward."""
+    forward_only = dataclasses.replace(IDEAL, attention_efficiency={"flash2": ((1.0, 0.5),)})
+    both = dataclasses.replace(IDEAL, attention_efficiency={"flash2": ((1.0, 0.5),), "flash2_backward": ((1.0, 0.25),)})
+    hd, s = SHAPE.d_model // SHAPE.n_head, SHAPE.block_size
+    causal_flops = 2 * 2 * s * s * hd * SHAPE.n_head / 2
+    block = kernels.block_forward(forward_only, "bf16", SHAPE, 1, 1, False, 2)
+    assert block.attention == pytest.approx(causal_flops / (0.5 * IDEAL.peak("bf16")))
+    assert block.attention_backward == pytest.approx(2 * block.attention)
+    measured = kernels.block_forward(both, "bf16", SHAPE, 1, 1, False, 2)
+    assert measured.attention == pytest.approx(block.attention)
+    assert measured.attention_backward == pytest.approx(2.5 * causal_flops / (0.25 * IDEAL.peak("bf16")))
+    assert measured.input_gradients - block.input_gradients == pytest.approx(
+        measured.attention_backward - 2 * block.attention
+    )
+
+
 def test_zero1_moves_what_ddp_moves_after_backward() -> None:
     """paralm's ZeRO-1 reduce-scatters fp32 gradients and all-gathers fp32 parameters after backward:
     DDP's ring all-reduce bytes, none of it hidden behind backward, plus its copies into and out of

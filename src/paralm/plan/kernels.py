@@ -86,20 +86,28 @@ def float8_casts(m: float, n: float, k: float, element_bytes: int, compiled: boo
 
 def fused_attention(
     cluster: Cluster, dtype: str, shape: ModelShape, local: int, heads: float, element_bytes: int, kernel: str
-) -> float:
-    """Forward seconds of the fused causal attention of `heads` (sequence x head) pairs, `local` queries
-    each against the sequence's keys. Where the cluster lists `kernel`'s measured speed, its FLOPs (QK^T
-    and AV, half of them masked away by causality, as the kernels skip those tiles) at that fraction of
-    the peak, read at the query length; otherwise two batched matmuls (s x hd by hd x s) at the full
-    work: a thin curve read at hd, a square one at the tiles' equivalent square, since the sequence,
-    not hd alone, fills the device."""
+) -> tuple[float, float]:
+    """Forward and backward seconds of the fused causal attention of `heads` (sequence x head) pairs,
+    `local` queries each against the sequence's keys. Where the cluster lists `kernel`'s measured speed,
+    its FLOPs (QK^T and AV, half of them masked away by causality, as the kernels skip those tiles) at
+    that fraction of the peak, read at the query length; its backward (five matmuls to the forward's
+    two) likewise from `<kernel>_backward`, else twice the forward. Otherwise two batched matmuls
+    (s x hd by hd x s) at the full work: a thin curve read at hd, a square one at the tiles' equivalent
+    square, since the sequence, not hd alone, fills the device (their roofline charges the s x s scores'
+    bytes, which a fused kernel keeps on chip: docs/planner-validation.md says what that offsets); the
+    backward twice that."""
     s, head_dim = shape.block_size, shape.d_model // shape.n_head
     curve = cluster.attention_efficiency.get(kernel)
-    if curve is not None:
-        flops = 2 * 2 * local * s * head_dim * heads / 2
-        return flops / (cluster.peak(dtype) * interpolate(curve, local)) + cluster.kernel_latency
-    size = head_dim if cluster.gemm_shape == "thin" else (local * s * head_dim) ** (1 / 3)
-    return 2 * matmul(cluster, dtype, local, s, head_dim, element_bytes, count=heads, size=size)
+    if curve is None:
+        size = head_dim if cluster.gemm_shape == "thin" else (local * s * head_dim) ** (1 / 3)
+        forward = 2 * matmul(cluster, dtype, local, s, head_dim, element_bytes, count=heads, size=size)
+        return forward, 2 * forward
+    flops = 2 * 2 * local * s * head_dim * heads / 2
+    forward = flops / (cluster.peak(dtype) * interpolate(curve, local)) + cluster.kernel_latency
+    backward_curve = cluster.attention_efficiency.get(f"{kernel}_backward")
+    if backward_curve is None:
+        return forward, 2 * forward
+    return forward, 2.5 * flops / (cluster.peak(dtype) * interpolate(backward_curve, local)) + cluster.kernel_latency
 
 
 @dataclass(frozen=True)
@@ -107,8 +115,9 @@ class BlockTimes:
     """Forward seconds of one block on one tensor-parallel rank, by kind of work."""
 
     linear: float  # the weight matmuls (backward: as much again for input, again for weight gradients)
-    attention: float  # the fused attention kernel (backward: twice)
+    attention: float  # the fused attention kernel
     elementwise: float  # memory-bound work (backward: twice)
+    attention_backward: float  # the fused attention's backward kernel
 
     @property
     def forward(self) -> float:
@@ -116,9 +125,9 @@ class BlockTimes:
 
     @property
     def input_gradients(self) -> float:
-        """Backward's input gradients: the forward's matmuls again, attention's and the elementwise
-        work's twice (Qi et al. 2024 split backward into these and the weight gradients so)."""
-        return self.linear + 2 * self.attention + 2 * self.elementwise
+        """Backward's input gradients: the forward's matmuls again, attention's backward and the
+        elementwise work twice (Qi et al. 2024 split backward into these and the weight gradients so)."""
+        return self.linear + self.attention_backward + 2 * self.elementwise
 
     @property
     def weight_gradients(self) -> float:
@@ -168,7 +177,8 @@ def block_forward(
 
         experts = moe.experts / ep * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, tokens)
         linear += moe.layers / shape.n_layer * (experts - ffn(moe.dense_ffn_matrices, tokens))
-    attention = fused_attention(cluster, dtype, shape, local, sequences * shape.n_head / t, e, attention_kernel)
+    heads = sequences * shape.n_head / t
+    attention, attention_backward = fused_attention(cluster, dtype, shape, local, heads, e, attention_kernel)
     seq_split = t if sp else 1
     if compiled:
         # Each residual add fused into the norm after it (read two, write two), the MLP's activation
@@ -182,7 +192,7 @@ def block_forward(
         kernels = shape.elementwise_kernels
     elementwise_bytes = tokens * (e * replicated / seq_split + split_bytes / t) + casts
     elementwise = elementwise_bytes / cluster.memory_bandwidth + kernels * cluster.kernel_latency
-    return BlockTimes(linear, attention, elementwise)
+    return BlockTimes(linear, attention, elementwise, attention_backward)
 
 
 def head_forward(

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from paralm.plan.cluster import PRESETS
+from paralm.plan.cluster import PRESETS, Cluster
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.published import RUNS, PublishedRun
 from paralm.plan.report import table
@@ -46,8 +46,8 @@ class Priced:
         return abs(self.predicted / self.run.published - 1)
 
 
-def predict(run: PublishedRun) -> float:
-    """The run's tokens/s per GPU (or MFU) as the planner prices its stated layout and hardware."""
+def workload(run: PublishedRun) -> Workload:
+    """The run's model, batch and kernels as the planner prices them."""
     family, layers, d, heads, kv, ffn = run.model
     overrides = [
         f"--model.family={family}",
@@ -62,15 +62,26 @@ def predict(run: PublishedRun) -> float:
         *(f"--model.{key}={value}" for key, value in run.model_fields.items()),
     ]
     config, _ = load_request(None, overrides)
-    work = dataclasses.replace(
+    return dataclasses.replace(
         Workload.from_config(config, run.global_batch, run.recipe),
         float8=run.float8,
         compiled=run.compiled,
         attention_kernel=run.attention_kernel,
     )
-    cluster = dataclasses.replace(PRESETS["h100"].with_devices(run.gpus), **run.cluster)
-    layout = Layout(**(LAYOUT_DEFAULTS | run.layout))
-    plan = evaluate(layout, work, cluster)
+
+
+def hardware(run: PublishedRun) -> Cluster:
+    """The h100 preset with what the run's source states about its machines."""
+    return dataclasses.replace(PRESETS["h100"].with_devices(run.gpus), **run.cluster)
+
+
+def layout(run: PublishedRun) -> Layout:
+    return Layout(**(LAYOUT_DEFAULTS | run.layout))
+
+
+def predict(run: PublishedRun) -> float:
+    """The run's tokens/s per GPU (or MFU) as the planner prices its stated layout and hardware."""
+    plan = evaluate(layout(run), workload(run), hardware(run))
     return plan.mfu if run.metric == "mfu" else plan.tokens_per_s / run.gpus
 
 
