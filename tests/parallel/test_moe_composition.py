@@ -1,5 +1,5 @@
 """MoE models under activation checkpointing, pipeline and tensor parallelism, and expert parallelism inside a
-pipeline, train what one process trains.
+pipeline or beside tensor (and sequence) parallelism, train what one process trains.
 
 Each layout trains a 2-layer MoE tiny model (4 experts, top-2) for 4 steps with SGD on the same global
 batch as one process; losses and routing metrics are compared within 1e-5 (fp32 rounding of other
@@ -10,6 +10,7 @@ recomputed block counting its routing again would double the dropped tokens.
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from paralm.config.schema import TrainConfig
@@ -32,13 +33,19 @@ LAYOUTS = {  # name: (ranks, parallel section, train section, model section besi
     "pp2": (2, {"pp": 2, "pp_microbatches": 2}, {}, {}),
     "tp2": (2, {"tp": 2}, {}, {}),
     "pp2-ep2-zero3": (4, {"pp": 2, "pp_microbatches": 2, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
+    "tp2-sp-ep2-zero3": (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
 }
 
 
-def train(config) -> None:
+def train(config) -> bool:
+    """Train; whether any weight of this rank is sharded over the tensor-parallel mesh dim."""
     runtime = init_runtime(config.parallel, config.sync)
-    Trainer(config, runtime_for(config, runtime)).fit()
+    trainer = Trainer(config, runtime_for(config, runtime))
+    trainer.fit()
+    params = trainer.engine.model.parameters()
+    by_tp = any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in params)
     shutdown(runtime)
+    return by_tp
 
 
 @pytest.mark.slow
@@ -48,10 +55,8 @@ def test_moe_layout_matches_one_process(name, tmp_path):
     reference = tiny_config(tmp_path / "one", model=MOE | model, train=TRAIN)
     train(reference)
     run = tiny_config(tmp_path / name, model=MOE | model, parallel=parallel, train=TRAIN | train_section)
-    if ranks == 1:
-        train(run)
-    else:
-        run_ranks(train, ranks, tmp_path, run)
+    tp_sharded = [train(run)] if ranks == 1 else run_ranks(train, ranks, tmp_path, run)
+    assert all(tp_sharded) == (parallel.get("tp", 1) > 1)
 
     rows, expected = read_metrics(run.run.dir), read_metrics(reference.run.dir)
     assert len(rows) == len(expected) == 4

@@ -30,10 +30,9 @@ def check_moe_layout(config: Config) -> None:
         # its servers step the parameters: the loss-free bias and the routing metrics would never move
         "sync.mode = 'parameter_server'": config.sync.mode == "parameter_server",
         "parallel.zero = 1 with parallel.ep > 1": p.zero == 1 and p.ep > 1,
-        # a pipeline's data parallelism without ZeRO-2/3 is `replicate`, which would average the experts too
+        # a pipeline's (or TP's) data parallelism without ZeRO-2/3 is `replicate`, which would average the experts too
         "parallel.pp > 1 with parallel.ep > 1 without parallel.zero = 2 or 3": p.pp > 1 and p.ep > 1 and p.zero < 2,
-        # untested: tp's replicas skip ep's gradient sync
-        "parallel.tp > 1 with parallel.ep > 1": p.tp > 1 and p.ep > 1,
+        "parallel.tp > 1 with parallel.ep > 1 without parallel.zero = 2 or 3": p.tp > 1 and p.ep > 1 and p.zero < 2,
         f"sync.mode = {config.sync.mode!r} with parallel.ep > 1": config.sync.mode != "allreduce" and p.ep > 1,
     }
     for name, on in refused.items():
