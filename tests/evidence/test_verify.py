@@ -77,8 +77,8 @@ def test_verify_holds_expert_parallelism_to_one_process(tmp_path):
 def test_layouts_a_familys_rules_refuse_are_named_with_their_line(tmp_path):
     matrix = Matrix(tmp_path, echo=lambda _: None, family="deepseek")
     assert matrix.refusal(CheckedLayout("ddp", 2, {})) is None
-    assert "parallel.tp > 1 is not supported by model.family = 'deepseek'" in matrix.refusal(
-        CheckedLayout("tp2", 2, {"parallel.tp": 2})
+    assert "parallel.cp > 1 is not supported" in matrix.refusal(
+        CheckedLayout("cp2-ring", 2, {"parallel.cp": 2, "parallel.cp_method": "ring"})
     )
     ps = CheckedLayout("ps", 2, {"sync.mode": "parameter_server", "sync.ps_servers": 1}, servers=1)
     assert "parameter_server" in matrix.refusal(ps)
@@ -87,11 +87,12 @@ def test_layouts_a_familys_rules_refuse_are_named_with_their_line(tmp_path):
 @pytest.mark.slow
 def test_verify_holds_the_deepseek_family_and_skips_what_its_rules_refuse(tmp_path):
     """Latent attention, shared + routed experts with group-limited sigmoid routing and the loss-free bias:
-    ZeRO-3, a zero-bubble pipeline (its weight gradients split from backward; each stage's auxiliary loss
-    carried through it) and its experts over 2 ranks equal one process; TP is skipped with the rules' line."""
+    ZeRO-3, TP with sequence parallelism, a zero-bubble pipeline (its weight gradients split from backward;
+    each stage's auxiliary loss carried through it) and its experts over 2 ranks equal one process; context
+    parallelism is skipped with the rules' line."""
     lines: list[str] = []
-    only = ["zero3", "tp2-sp", "pp2-zbv_zero_bubble", "ep2"]
+    only = ["zero3", "tp2-sp", "cp2-ring", "pp2-zbv_zero_bubble", "ep2"]
     verdicts = verify(2, only, tmp_path, echo=lines.append, families=["deepseek"])
-    assert [v.layout for v in verdicts] == ["zero3", "pp2-zbv_zero_bubble", "ep2-moe"]
+    assert [v.layout for v in verdicts] == ["zero3", "tp2-sp", "pp2-zbv_zero_bubble", "ep2-moe"]
     assert all(v.holds and max(v.loss_gap, v.weight_gap) <= 1e-5 for v in verdicts), table(verdicts)
-    assert any(line.startswith("  skipped deepseek tp2-sp: parallel.tp > 1") for line in lines), lines
+    assert any(line.startswith("  skipped deepseek cp2-ring: parallel.cp > 1") for line in lines), lines

@@ -1,12 +1,16 @@
 """The DeepSeek family (MLA, a dense first block, shared and routed experts with group-limited sigmoid
-routing and loss-free balancing) trains under ZeRO-3 and under expert parallelism exactly what one process
-trains: the losses and the final weights, balancing bias included, agree. Tolerance as
-`test_expert_parallel`: fp32 rounding of other batch sizes and summation orders, 1e-5 over 4 steps.
+routing and loss-free balancing) trains under ZeRO-3, under expert parallelism and under tensor + sequence
+parallelism exactly what one process trains: the losses and the final weights, balancing bias included,
+agree. Tolerance as `test_expert_parallel`: fp32 rounding of other batch sizes and summation orders, 1e-5
+over 4 steps. Under TP each rank holds half of MLA's heads (`wq`, `wkv_b` rows; `wo` columns); a shared
+RoPE key whose gradient were not summed over the group would move `wkv_a` by far more than that.
 """
 
 import pytest
 import torch
 
+from paralm.parallel.tensor import local_value
+from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.models.test_deepseek import DEEPSEEK
 from tests.multiprocess import run_ranks
@@ -15,14 +19,36 @@ from tests.parallel.test_expert_parallel import TOLERANCE, train_and_gather
 MODEL = DEEPSEEK | {"moe_bias_rate": 0.05}  # a fast bias: one that moved differently would change the routing
 
 
+def train_gather_and_heads(config) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+    """`train_and_gather`'s weights, and the rows of the first block's `wq` and `wkv_b` this rank holds."""
+    heads: list[int] = []
+    original = Trainer.fit
+
+    def fit(self):
+        original(self)
+        attention = self.engine.model.get_submodule("layers.0.attention")
+        heads.extend(local_value(getattr(attention, name).weight).shape[0] for name in ("wq", "wkv_b"))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "fit", fit)
+        weights, _ = train_and_gather(config)
+    return weights, tuple(heads)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"zero": 3}, {"ep": 2}], ids=["zero3", "ep2"])
+@pytest.mark.parametrize(
+    "parallel", [{"zero": 3}, {"ep": 2}, {"tp": 2, "sequence_parallel": True}], ids=["zero3", "ep2", "tp2-sp"]
+)
 def test_deepseek_on_two_ranks_matches_one_process(parallel, tmp_path):
     train = {"steps": 4, "optimizer": "sgd", "lr": 0.5}
     reference = tiny_config(tmp_path / "one", model=MODEL, train=train | {"micro_batch_size": 4})
     expected, _ = train_and_gather(reference)
-    run = tiny_config(tmp_path / "two", model=MODEL, parallel=parallel, train=train | {"micro_batch_size": 2})
-    (weights, _), *_ = run_ranks(train_and_gather, 2, tmp_path, run)
+    dp = 2 // parallel.get("tp", 1)
+    run = tiny_config(tmp_path / "two", model=MODEL, parallel=parallel, train=train | {"micro_batch_size": 4 // dp})
+    (weights, held), *_ = run_ranks(train_gather_and_heads, 2, tmp_path, run)
+
+    if parallel.get("tp"):  # half the heads' rows on this rank (zero3 shards rows too, so only tp is checked)
+        assert held == tuple(expected[f"layers.0.attention.{name}.weight"].shape[0] // 2 for name in ("wq", "wkv_b"))
 
     rows, reference_rows = read_metrics(run.run.dir), read_metrics(reference.run.dir)
     assert len(rows) == len(reference_rows) == 4

@@ -54,6 +54,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(config.kv_lora_rank, eps=LATENT_EPS)
         self.wkv_b = nn.Linear(config.kv_lora_rank, heads * (nope + value), bias=False)
         self.wo = nn.Linear(heads * value, d, bias=False)
+        self.shared_key = nn.Identity()  # the RoPE key all heads read (a place for TP to sum its gradient)
         self.rope_config = replace(config, head_dim=rope)  # RoPE's frequencies over the RoPE part only
         self.dropout = config.dropout
         self.attend: Attend = attend
@@ -71,6 +72,7 @@ class LatentAttention(nn.Module):
         q = self.wq(self.q_norm(self.wq_a(x)) if self.wq_a is not None else x)
         q_nope, q_rope = q.view(batch, seq, -1, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.latent, rope], dim=-1)
+        k_rope = self.shared_key(k_rope)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, nope + value).transpose(1, 2)
         k_nope, v = kv.split([nope, value], dim=-1)
         if positions is None:

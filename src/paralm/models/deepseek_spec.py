@@ -2,9 +2,11 @@
 
 It composes with data parallelism (DDP, ZeRO; FSDP wraps each block, as Llama's), expert parallelism and
 pipeline parallelism (every schedule: `paralm verify --family deepseek`), which need nothing of a family
-but its blocks, MoE layers and pipeline parts. Multi-head latent attention has no tensor-parallel plan
-here, and context parallelism is untested with it: the config rules refuse parallel.tp and cp > 1 for this
-family (`ModelSpec.unsupported`).
+but its blocks, MoE layers and pipeline parts, and with tensor (and sequence) parallelism: multi-head
+latent attention splits its heads (`wq` and `wkv_b` column-wise, `wo` row-wise) and keeps its low-rank
+paths replicated, the shared RoPE key's gradient summed over the group (`tensor_plan.SumGradients`).
+Context parallelism is untested with it: the config rules refuse parallel.cp > 1 for this family
+(`ModelSpec.unsupported`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from paralm.models.llama import TIED, ffn_hidden, moe_hidden
 from paralm.models.moe_config import moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion
+from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
 def _attention_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
@@ -96,12 +99,24 @@ def check(config: ModelConfig) -> None:
         raise UserError("model.rope_theta and model.norm_eps must be positive")
 
 
+_NAMES = DecoderNames(
+    embedding="tok_embeddings",
+    blocks="layers",
+    parts=(
+        BlockPart("attention_norm", "attention", ("wq", "wkv_b"), "wo", shared=("shared_key",)),
+        BlockPart("ffn_norm", "feed_forward", ("w1", "w3"), "w2"),
+    ),
+    final_norm="norm",
+    head="output",
+)
+
+
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    raise UserError("model.family = 'deepseek' has no tensor-parallel plan: set parallel.tp = 1")
+    return decoder_plan(model, _NAMES, sequence_parallel)
 
 
 def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRegion]:
-    return []  # no tensor parallelism, so no activations that differ between its ranks
+    return decoder_sharded_regions(model, _NAMES, sequence_parallel)
 
 
 SPEC = ModelSpec(
@@ -128,5 +143,5 @@ SPEC = ModelSpec(
         Branch("attention", ("wq", "wkv_b"), "wo", lambda config: config.n_head),  # each head's rows and columns
         Branch("feed_forward", ("w1", "w3"), "w2", ffn_hidden),
     ),
-    unsupported=("tp", "cp"),
+    unsupported=("cp",),
 )

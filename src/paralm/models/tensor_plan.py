@@ -7,6 +7,11 @@ sequence (Korthikanti et al. 2022). The embedding is row-wise over the vocabular
 column-wise with its output left sharded for `loss_parallel`, so a tied weight (both shard dim 0 of
 the same `(vocab, d_model)` matrix) stays one parameter.
 
+A module whose heads all read one projection (MLA's shared RoPE key, its low-rank query and key/value
+paths) takes its input as a plain tensor and keeps those layers replicated; the shared projection's
+output passes a `SumGradients` module, so its gradient, read by this rank's heads only, is summed over
+the group (Megatron's "f" operator).
+
 A mixture-of-experts feed-forward is replicated over the group (its router and experts; expert
 parallelism, if any, splits the experts over data-parallel ranks instead): it takes the gathered
 input as a plain tensor, every rank routes the same tokens alike, and under sequence parallelism its
@@ -17,16 +22,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.models.moe import MoE
 from paralm.models.spec import ShardedRegion
@@ -44,6 +51,22 @@ class BlockPart:
     inputs: tuple[str, ...]
     output: str
     head_norms: tuple[str, ...] = ()
+    # submodules (identities) whose output every head reads: their gradients are summed over the group, and
+    # the module takes a plain tensor (its layers outside `inputs` and `output` stay replicated)
+    shared: tuple[str, ...] = ()
+
+
+class SumGradients(ParallelStyle):
+    """An identity whose output's gradient is summed over the group: for a replicated activation that
+    each rank reads for its own heads only."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def forward_hook(_: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+            replicated = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return replicated.to_local(grad_placements=[Partial()])
+
+        module.register_forward_hook(forward_hook)
+        return module
 
 
 @dataclass(frozen=True)
@@ -78,8 +101,10 @@ def decoder_plan(model: nn.Module, names: DecoderNames, sequence_parallel: bool)
             # one gathered input shared by the column-parallel projections: their input gradients add
             # up locally and are reduced once; keyword arguments (positions, a cache) pass as they are
             plan[prefix + part.module] = PrepareModuleInput(
-                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=bool(part.shared)
             )
+            for name in part.shared:
+                plan[f"{prefix}{part.module}.{name}"] = SumGradients()
             for name in part.inputs:
                 plan[f"{prefix}{part.module}.{name}"] = ColwiseParallel()
             for name in part.head_norms:
