@@ -10,9 +10,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from paralm.config.schema import Config
 from paralm.hardware import cpu_flags, cpu_name
@@ -97,3 +100,23 @@ def machine() -> list[str]:
 def thread_env(threads: int) -> dict[str, str]:
     """This environment with torch's (OpenMP's and MKL's) thread count set, for a child process."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def timed(work: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `work` after two warm-ups: CUDA events on a GPU, the wall clock elsewhere."""
+    for _ in range(2):
+        work()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)

@@ -15,13 +15,10 @@ The curve has M = 16384 and K = 4096; the check rows vary M and K. Attention: q,
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from common import machine, print_table
+from common import machine, print_table, timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 GPU = torch.cuda.is_available()
@@ -36,26 +33,6 @@ KERNELS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-
-
-def timed(work: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `work` after two warm-ups."""
-    for _ in range(2):
-        work()
-    times = []
-    for _ in range(repeats):
-        if GPU:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            work()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
 
 
 def linear(m: int, k: int, n: int, repeats: int, peak: float) -> list[str]:

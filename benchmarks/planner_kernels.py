@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from common import machine, print_table
+from common import machine, print_table, timed
 
 from paralm.plan import kernels, validate
 from paralm.plan.cluster import PRESETS, Cluster, parse_cluster
@@ -29,26 +27,6 @@ from paralm.plan.published import RUNS
 
 GPU = torch.cuda.is_available()
 SCALE = 1 if GPU else 16  # the CPU's stand-in shapes
-
-
-def timed(work: Callable[[], None], repeats: int) -> float:
-    """Median seconds of `work` after two warm-ups."""
-    for _ in range(2):
-        work()
-    times = []
-    for _ in range(repeats):
-        if GPU:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            work()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
 
 
 def training_pass(*inputs: torch.Tensor, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
