@@ -72,7 +72,7 @@ def test_recomputed_deepseek_blocks_train_as_stored_ones(checkpointing, tmp_path
     train = {"steps": 3, "optimizer": "sgd", "lr": 0.5, "micro_batch_size": 4}
     expected, _ = train_and_gather(tiny_config(tmp_path / "stored", model=MODEL, train=train))
     run = tiny_config(tmp_path / checkpointing, model=MODEL, train=train | {"activation_checkpointing": checkpointing})
-    weights, wrapped = train_gather_and_look(run, lambda model: [type(block).__name__ for block in model.layers.values()])
+    weights, wrapped = train_gather_and_look(run, lambda model: [type(b).__name__ for b in model.layers.values()])
     assert wrapped.count("CheckpointWrapper") == (3 if checkpointing == "full" else 1), wrapped  # every 2nd of 3
     rows, reference_rows = read_metrics(run.run.dir), read_metrics(tmp_path / "stored")
     assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in reference_rows], abs=TOLERANCE)
