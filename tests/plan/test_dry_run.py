@@ -37,6 +37,18 @@ def test_dry_run_measures_what_the_planner_plans(layout: list[str], tmp_path) ->
     assert len(record["ranks"]) == (2 if "--parallel.pp=2" in layout else 1)
 
 
+def test_dry_run_of_latent_attention_under_tp_holds_its_low_rank_paths_whole(tmp_path) -> None:
+    """DeepSeek's MLA under TP: the heads split, the low-rank projections (wq_a, wkv_a) on every rank whole
+    (`ModelShape.layer_whole_matrices`), the MoE blocks replicated: measured and planned parameters and
+    gradients agree exactly, the optimizer state but for AdamW's step counters (0.01%)."""
+    config = ["--config", "configs/deepseek-tiny.toml", "--parallel.tp=2"]
+    assert main(["train", *config, "--dry-run", "2", f"--run.dir={tmp_path}"]) == 0
+    (rank,) = json.loads((tmp_path / "dry_run.json").read_text())["ranks"]
+    measured, planned = rank["measured_bytes_per_rank"], rank["planned_bytes_per_rank"]
+    assert (measured["parameters"], measured["gradients"]) == (planned["parameters"], planned["gradients"])
+    assert measured["optimizer"] == pytest.approx(planned["optimizer"], rel=2e-4)
+
+
 def test_dry_run_refuses_a_layout_that_does_not_divide(tmp_path, capsys) -> None:
     assert main(["train", *SMALL_LLAMA, "--parallel.tp=3", "--dry-run", "8", f"--run.dir={tmp_path}"]) == 2
     assert "tp" in capsys.readouterr().err

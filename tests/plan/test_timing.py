@@ -224,3 +224,23 @@ def test_groups_that_span_nodes_use_the_network() -> None:
 
 def _layout(**fields):
     return layout(**({"micro_batch_size": 64} | fields))
+
+
+def test_tensor_parallelism_leaves_the_whole_matrices_whole() -> None:
+    """MLA's low-rank projections (`layer_whole_matrices`) run whole on every TP rank; the rest splits."""
+    shape = model_shape(
+        ModelConfig(
+            family="deepseek",
+            n_layer=2,
+            n_head=4,
+            d_model=64,
+            block_size=32,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+        )
+    )
+    assert shape.layer_whole_params == 24 * 64 + (32 + 8) * 64  # wq_a, and wkv_a with the shared RoPE key
+    linear = [kernels.block_forward(IDEAL, "bf16", shape, 1, t, False, 2).linear for t in (1, 2)]
+    whole = 2 * shape.block_size * shape.layer_whole_params / IDEAL.peak("bf16")
+    assert linear[1] == pytest.approx(whole + (linear[0] - whole) / 2)

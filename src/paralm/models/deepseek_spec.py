@@ -27,6 +27,12 @@ from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, Shar
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
+def _low_rank_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
+    """MLA's projections every head reads (wq_a, wkv_a): tensor parallelism keeps them whole."""
+    _, rope, _ = mla_dims(c)
+    return (*(((c.q_lora_rank, c.d_model, 1),) if c.q_lora_rank else ()), (c.kv_lora_rank + rope, c.d_model, 1))
+
+
 def _attention_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
     """MLA's matrices (rows, columns, 1): the query path, wkv_a, wkv_b and wo."""
     d, heads, rank = c.d_model, c.n_head, c.q_lora_rank
@@ -45,6 +51,7 @@ def shape(config: ModelConfig) -> ModelShape:
     head = ((vocab, d, 1),) if not config.tie_embeddings else ()
     dense = ((hidden, d, 2), (d, hidden, 1))
     layer = (*_attention_matrices(config), *dense)
+    whole = sum(r * c * k for r, c, k in _low_rank_matrices(config))
     moe = moe_shape(config, ((experts, d, 2), (d, experts, 1)), dense_ffn_params=3 * d * hidden)
     return ModelShape(
         n_layer=n,
@@ -53,9 +60,9 @@ def shape(config: ModelConfig) -> ModelShape:
         d_model=d,
         block_size=config.block_size,
         vocab_size=vocab,
-        layer_matrix_params=sum(r * c * k for r, c, k in layer),
+        layer_matrix_params=sum(r * c * k for r, c, k in layer) - whole,
         layer_column_bias_params=0,
-        layer_replicated_params=2 * d + config.q_lora_rank + config.kv_lora_rank,  # block and latent norms
+        layer_replicated_params=2 * d + config.q_lora_rank + config.kv_lora_rank + whole,  # norms, low-rank paths
         final_norm_params=d,
         embedding_params=vocab * d,
         head_params=0 if config.tie_embeddings else vocab * d,
@@ -71,6 +78,7 @@ def shape(config: ModelConfig) -> ModelShape:
         elementwise_kernels=14 + 2 * (8 + 10) + 1,  # Llama's, with the latent norms and q/k concatenations
         moe=replace(moe, dense_ffn_matrices=dense) if moe else None,
         mlp_fused=3 * hidden,
+        layer_whole_matrices=_low_rank_matrices(config),
     )
 
 

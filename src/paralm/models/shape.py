@@ -41,9 +41,9 @@ class ModelShape:
     d_model: int
     block_size: int
     vocab_size: int
-    layer_matrix_params: int  # one block's weight matrices: sharded by tensor parallelism
+    layer_matrix_params: int  # one block's weight matrices that tensor parallelism shards
     layer_column_bias_params: int  # biases of one block's column-parallel projections: sharded too
-    layer_replicated_params: int  # row-parallel biases and norms of one block: replicated by TP
+    layer_replicated_params: int  # row-parallel biases, norms and `layer_whole_matrices`: replicated by TP
     final_norm_params: int
     embedding_params: int  # the token embedding
     head_params: int  # the LM head's matrix; 0 when it is the token embedding (tied)
@@ -62,10 +62,17 @@ class ModelShape:
     # `mlp_traffic` with the activation's kernels fused into one (torch.compile): what that kernel
     # reads and writes; 0: the same (a single activation kernel has nothing to fuse)
     mlp_fused: int = 0
+    # of `layer_matrices`, those tensor parallelism keeps whole on every rank (MLA's low-rank projections,
+    # which every head reads); their parameters count among `layer_replicated_params`
+    layer_whole_matrices: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def mlp_fused_traffic(self) -> int:
         return self.mlp_fused or self.mlp_traffic
+
+    @cached_property
+    def layer_whole_params(self) -> int:
+        return sum(rows * cols * count for rows, cols, count in self.layer_whole_matrices)
 
     @cached_property
     def layer_params(self) -> int:

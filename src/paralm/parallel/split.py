@@ -32,7 +32,7 @@ def part_costs(shape: ModelShape) -> PartCosts:
     h, tables = shape.d_model, 2 if shape.position_params else 1
     return PartCosts(
         embedding=2.0 * h * tables,
-        block=6.0 * shape.layer_matrix_params + 12.0 * shape.block_size * h,
+        block=6.0 * (shape.layer_matrix_params + shape.layer_whole_params) + 12.0 * shape.block_size * h,
         head=6.0 * shape.head_matrix_params,
     )
 

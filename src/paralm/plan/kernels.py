@@ -163,8 +163,12 @@ def block_forward(
     local = s // cp
     tokens = sequences * local
     # Each matrix splits along its side other than d_model (column- or row-parallel alike): the same
-    # FLOPs and bytes either way.
-    widths = [(rows * cols // d / t, count) for rows, cols, count in shape.layer_matrices]
+    # FLOPs and bytes either way; those TP keeps whole (`layer_whole_matrices`) run whole on every rank.
+    split = list(shape.layer_matrices)
+    for matrix in shape.layer_whole_matrices:  # kept whole on every TP rank
+        split.remove(matrix)
+    widths = [(rows * cols // d / t, count) for rows, cols, count in split]
+    widths += [(rows * cols // d, count) for rows, cols, count in shape.layer_whole_matrices]
     linear_dtype, linear_bytes = ("fp8", 1) if float8 else (dtype, e)
     linear = sum(count * matmul(cluster, linear_dtype, tokens, n, d, linear_bytes) for n, count in widths)
     casts = sum(count * float8_casts(tokens, n, d, e, compiled) for n, count in widths) if float8 else 0.0

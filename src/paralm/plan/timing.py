@@ -180,7 +180,9 @@ def _sequence_parallel_norms(layout: Layout, work: Workload, cluster: Cluster) -
     if not (layout.sequence_parallel and layout.tp > 1):
         return 0.0
     shape = work.shape
-    replicated = shape.n_layer * shape.layer_replicated_params + shape.final_norm_params + shape.position_params
+    # matrices kept whole see the gathered sequence: their gradients are whole already
+    block = shape.layer_replicated_params - shape.layer_whole_params
+    replicated = shape.n_layer * block + shape.final_norm_params + shape.position_params
     link = cluster.link(*group_strides(layout)["tp"])
     return comm.all_reduce(replicated * DTYPE_BYTES[work.reduce_dtype], layout.tp, link)
 
