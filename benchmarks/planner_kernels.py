@@ -41,7 +41,8 @@ def training_pass(*inputs: torch.Tensor, forward: Callable[..., torch.Tensor]) -
 
 def rows_of(run_index: int, cluster: Cluster, dtype: torch.dtype, repeats: int) -> list[list[str]]:
     run = RUNS[run_index]
-    shape, layout = validate.workload(run).shape, validate.layout(run)
+    work, layout = validate.workload(run), validate.layout(run)
+    shape = work.shape
     t, cp, batch = layout.tp, layout.cp, layout.pipeline_batch  # sequences in one (pipeline) micro-batch
     d, s = shape.d_model // SCALE, shape.block_size // SCALE
     tokens = batch * s // cp
@@ -66,8 +67,9 @@ def rows_of(run_index: int, cluster: Cluster, dtype: torch.dtype, repeats: int) 
         repeats,
     )
     small = dataclasses.replace(shape, block_size=s, d_model=shape.d_model // SCALE)
-    kernel = validate.workload(run).attention_kernel
-    forward, backward = kernels.fused_attention(cluster, name, small, s // cp, batch * heads, element, kernel)
+    forward, backward = kernels.fused_attention(
+        cluster, name, small, s // cp, batch * heads, element, work.attention_kernel
+    )
     flops = 3.5 * 2 * 2 * (s // cp) * s * head_dim * batch * heads / 2  # backward: 5 matmuls to 2
     rows.append(
         [run.name, f"attention {heads} heads x {s // cp} x {s}, hd {head_dim}", measured, forward + backward, flops]

@@ -29,12 +29,15 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
 
 # Intercepting every op `init_weights` runs on a sharded parameter (to replay it at full size):
 # `TorchDispatchMode` is documented but exported only from this module.
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = [
+    "SumGradients",
     "TorchDispatchMode",
     "checkpoint_wrapper",
     "cpu_flash_attention",
@@ -225,3 +228,18 @@ def capture_scalar_outputs() -> None:
     into the graph rather than stop there: the experts' split sizes where the grouped kernel does not run,
     and expert parallelism's all-to-all splits. Dynamo's config module is the only switch for it."""
     torch._dynamo.config.capture_scalar_outputs = True
+
+
+class SumGradients(ParallelStyle):
+    """A tensor-parallel style for an identity module: its output's gradient is summed over the group (Megatron's
+    "f" operator), for a replicated activation each rank reads for its own heads only. A custom style overrides
+    `ParallelStyle._apply`, the one extension point torch gives (no public name); the work is public DTensor
+    calls: `from_local` as replicated, `to_local` with a partial gradient, which autograd sums."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        def forward_hook(_: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+            replicated = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return replicated.to_local(grad_placements=[Partial()])
+
+        module.register_forward_hook(forward_hook)
+        return module

@@ -34,6 +34,12 @@ LAYOUTS = {  # name: (ranks, parallel section, train section, model section besi
     "tp2": (2, {"tp": 2}, {}, {}),
     "pp2-ep2-zero3": (4, {"pp": 2, "pp_microbatches": 2, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
     "tp2-sp-ep2-zero3": (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
+    "tp2-ep2-zero2-llama": (
+        4,
+        {"tp": 2, "ep": 2, "zero": 2},
+        {"micro_batch_size": 4},
+        {"family": "llama", "n_kv_heads": 2},
+    ),
 }
 
 

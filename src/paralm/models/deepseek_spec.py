@@ -4,7 +4,7 @@ It composes with data parallelism (DDP, ZeRO; FSDP wraps each block, as Llama's)
 pipeline parallelism (every schedule: `paralm verify --family deepseek`), which need nothing of a family
 but its blocks, MoE layers and pipeline parts, and with tensor (and sequence) parallelism: multi-head
 latent attention splits its heads (`wq` and `wkv_b` column-wise, `wo` row-wise) and keeps its low-rank
-paths replicated, the shared RoPE key's gradient summed over the group (`tensor_plan.SumGradients`).
+paths replicated, the shared RoPE key's gradient summed over the group (`compat.SumGradients`).
 Context parallelism is untested with it: the config rules refuse parallel.cp > 1 for this family
 (`ModelSpec.unsupported`).
 """

@@ -9,7 +9,7 @@ the same `(vocab, d_model)` matrix) stays one parameter.
 
 A module whose heads all read one projection (MLA's shared RoPE key, its low-rank query and key/value
 paths) takes its input as a plain tensor and keeps those layers replicated; the shared projection's
-output passes a `SumGradients` module, so its gradient, read by this rank's heads only, is summed over
+output passes a `compat.SumGradients` style, so its gradient, read by this rank's heads only, is summed over
 the group (Megatron's "f" operator).
 
 A mixture-of-experts feed-forward is replicated over the group (its router and experts; expert
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from paralm.compat import SumGradients
 from paralm.models.moe import MoE
 from paralm.models.spec import ShardedRegion
 
@@ -54,19 +53,6 @@ class BlockPart:
     # submodules (identities) whose output every head reads: their gradients are summed over the group, and
     # the module takes a plain tensor (its layers outside `inputs` and `output` stay replicated)
     shared: tuple[str, ...] = ()
-
-
-class SumGradients(ParallelStyle):
-    """An identity whose output's gradient is summed over the group: for a replicated activation that
-    each rank reads for its own heads only."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def forward_hook(_: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-            replicated = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
-            return replicated.to_local(grad_placements=[Partial()])
-
-        module.register_forward_hook(forward_hook)
-        return module
 
 
 @dataclass(frozen=True)
