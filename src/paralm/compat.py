@@ -44,6 +44,7 @@ __all__ = [
     "cpu_flash_attention_backward",
     "current_dispatch_mode",
     "dump_cuda_memory_snapshot",
+    "end_fake_process_group",
     "flatten_mesh",
     "flight_recorder",
     "init_fake_process_group",
@@ -99,6 +100,18 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def end_fake_process_group() -> None:
+    """Tear down `init_fake_process_group`'s group and forget what DTensor cached under it. DTensor caches
+    sharding propagation per mesh, and meshes compare equal without regard to this process's rank: a later
+    real job of the same shape (or a process forked from this one) would take the fake rank's output specs
+    and place its shards at that rank's offsets. Only torch's debug module clears those caches."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    dist.destroy_process_group()
+    _clear_sharding_prop_cache()
 
 
 def resolve_process_group(group_name: str) -> ProcessGroup:

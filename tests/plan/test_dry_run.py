@@ -6,6 +6,11 @@ import json
 import pytest
 
 from paralm.cli import main
+from paralm.plan.dry_run import dry_run
+from tests.helpers import tiny_config
+from tests.hf_helpers import assert_same_logits, export
+from tests.multiprocess import run_ranks
+from tests.parallel.model_parallel import train_each
 
 SMALL_LLAMA = [
     "--model.family=llama",
@@ -52,3 +57,15 @@ def test_dry_run_of_latent_attention_under_tp_holds_its_low_rank_paths_whole(tmp
 def test_dry_run_refuses_a_layout_that_does_not_divide(tmp_path, capsys) -> None:
     assert main(["train", *SMALL_LLAMA, "--parallel.tp=3", "--dry-run", "8", f"--run.dir={tmp_path}"]) == 2
     assert "tp" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_dry_run_leaves_nothing_behind_for_a_real_job(tmp_path) -> None:
+    """DTensor caches sharding propagation per mesh, and meshes compare equal whatever this process's rank:
+    a real tp 2 job forked after a dry run as rank 0 of 2 must still place rank 1's shards at rank 1's
+    offsets, so its checkpoint saves whole and exports with the logits of the model it trained."""
+    config = tiny_config(tmp_path / "tp", parallel={"tp": 2}, train={"steps": 2})
+    dry_run(config, 2, log=lambda line: None)
+    run_ranks(train_each, 2, tmp_path, [config])
+    export(config.run.dir, tmp_path / "hf")
+    assert_same_logits(config.run.dir, tmp_path / "hf")

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paralm.compat import end_fake_process_group
 from paralm.config.dims import ParallelDims
 from paralm.config.schema import Config
 from paralm.errors import UserError
@@ -80,7 +80,7 @@ def rehearse(config: Config, world_size: int, rank: int) -> dict[str, int]:
         plan = parallelize(model, runtime, config)
         return measure(plan.model, config, runtime.dims)
     finally:
-        dist.destroy_process_group()
+        end_fake_process_group()
 
 
 def dry_run(config: Config, world_size: int, log: Callable[[str], None] = print) -> Path:
