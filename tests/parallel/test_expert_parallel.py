@@ -112,7 +112,7 @@ def test_dispatch_reads_split_sizes_on_the_host_only_for_the_all_to_all(tmp_path
     """A training step of the 2-layer MoE model (fused AdamW, the default) reads nothing back to the host on
     one process: the experts' grouped matmul takes the tokens per expert as a device tensor. Under ep 2
     the forward and backward read the all-to-all's split sizes once per MoE layer (NCCL takes them as host
-    integers; the backward reuses them)."""
+    integers; the backward reuses them), and the rest of the step reads nothing."""
 
     def adamw(name: str, ranks: int, parallel: dict) -> Config:
         return tiny_config(tmp_path / name, model=MOE, parallel=parallel, train={"micro_batch_size": 8 // ranks})
@@ -120,6 +120,9 @@ def test_dispatch_reads_split_sizes_on_the_host_only_for_the_all_to_all(tmp_path
     assert reads_of_a_step(adamw("one", 1, {})) == ([], [])
     per_rank = run_ranks(reads_of_a_step, 2, tmp_path, adamw("ep", 2, {"ep": 2}))
     assert [passes for _, passes in per_rank] == [["tolist", "tolist"]] * 2
+    # and the optimizer nothing: the experts' DTensors and the dense plain tensors step in groups of one kind,
+    # so AdamW runs fused and takes the skip flag on the device
+    assert [whole for whole, _ in per_rank] == [["tolist", "tolist"]] * 2
 
 
 def train(config: Config) -> None:

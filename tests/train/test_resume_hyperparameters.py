@@ -1,9 +1,9 @@
 """A resume takes the optimizer's state from the checkpoint and its hyperparameters from the config.
 
-Weight decay, betas, eps and the AdamW kernel (fused or not) are whatever the config (and the layout:
-fused AdamW takes no mix of DTensors and plain tensors) builds; moments and step counts are the
-checkpoint's. Losses of a run moved between one process and tensor parallelism agree within 1e-5:
-TP sums the same products in another order (float32 rounding, about 1e-7 per step here).
+Weight decay, betas, eps and the AdamW kernel (fused or not) are whatever the config builds (fused on
+every layout: each param group holds one kind of tensor); moments and step counts are the checkpoint's.
+Losses of a run moved between one process and tensor parallelism agree within 1e-5: TP sums the same
+products in another order (float32 rounding, about 1e-7 per step here).
 """
 
 import shutil
@@ -142,6 +142,7 @@ def test_a_one_process_checkpoint_resumes_under_model_parallelism(tmp_path, stra
 @pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_resumes_on_one_process_with_the_fused_kernel(tmp_path, straight):
     moved = tmp_path / "moved"
-    run_ranks(_train, 2, tmp_path, tiny_config(moved, train={"steps": 4}, parallel={"tp": 2}))
+    tensor_parallel = run_ranks(_resume, 2, tmp_path, tiny_config(moved, train={"steps": 4}, parallel={"tp": 2}))[0]
+    assert all(group["fused"] for group in tensor_parallel)  # DTensors and plain norms, each in groups of their own
     assert all(group["fused"] for group in _resume(tiny_config(moved, train={"steps": 8})))
     assert _max_difference(straight, read_metrics(moved)) < 1e-5
