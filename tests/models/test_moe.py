@@ -146,7 +146,7 @@ def test_loss_free_balancer_evens_out_a_router_biased_to_one_expert() -> None:
         optimizer.step()
         optimizer.zero_grad()
         statistics = take_statistics(model)
-        update_balance(model, statistics, None, torch.tensor(False))
+        update_balance(model, statistics, (), torch.tensor(False))
         imbalance.append(balance_figures(statistics.tolist(), 1, 4)["moe_load_imbalance"])
     assert imbalance[0] > 1.8
     assert imbalance[-1] <= 1.3, imbalance

@@ -1,5 +1,6 @@
 """MoE models under activation checkpointing, pipeline and tensor parallelism, and expert parallelism inside a
-pipeline or beside tensor (and sequence) parallelism, train what one process trains.
+pipeline or beside tensor (and sequence) parallelism, train what one process trains. Under sequence
+parallelism each tp rank routes its own positions (with the loss-free bias and the z-loss too).
 
 Each layout trains a 2-layer MoE tiny model (4 experts, top-2) for 4 steps with SGD on the same global
 batch as one process; losses and routing metrics are compared within 1e-5 (fp32 rounding of other
@@ -26,6 +27,8 @@ from tests.multiprocess import run_ranks
 TOLERANCE = 1e-5
 MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_aux_loss": 0.5}
 TRAIN = {"optimizer": "sgd", "lr": 0.5, "steps": 4, "micro_batch_size": 8}
+# the loss-free bias at a fast rate (a rank moving it by its own tokens alone would route apart) and the z-loss
+BIAS = {"moe_bias_balance": True, "moe_bias_rate": 0.05, "moe_z_loss": 0.1}
 
 LAYOUTS = {  # name: (ranks, parallel section, train section, model section besides MOE)
     "checkpointing-full": (1, {}, {"activation_checkpointing": "full"}, {"moe_capacity": 1.0}),
@@ -34,6 +37,7 @@ LAYOUTS = {  # name: (ranks, parallel section, train section, model section besi
     "tp2": (2, {"tp": 2}, {}, {}),
     "pp2-ep2-zero3": (4, {"pp": 2, "pp_microbatches": 2, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
     "tp2-sp-ep2-zero3": (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
+    "tp2-sp-bias": (2, {"tp": 2, "sequence_parallel": True}, {}, BIAS),
     "tp2-ep2-zero2-llama": (
         4,
         {"tp": 2, "ep": 2, "zero": 2},
@@ -43,15 +47,19 @@ LAYOUTS = {  # name: (ranks, parallel section, train section, model section besi
 }
 
 
-def train(config) -> bool:
-    """Train; whether any weight of this rank is sharded over the tensor-parallel mesh dim."""
+def train(config) -> tuple[bool, set[int]]:
+    """Train; whether any weight of this rank is sharded over the tensor-parallel mesh dim, and the numbers
+    of positions per sequence its MoE layers routed."""
     runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime_for(config, runtime))
+    positions: set[int] = set()
+    for layer in moe_layers(trainer.engine.model):
+        layer.register_forward_pre_hook(lambda _, inputs: positions.add(inputs[0].shape[1]))
     trainer.fit()
     params = trainer.engine.model.parameters()
     by_tp = any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in params)
     shutdown(runtime)
-    return by_tp
+    return by_tp, positions
 
 
 @pytest.mark.slow
@@ -61,8 +69,11 @@ def test_moe_layout_matches_one_process(name, tmp_path):
     reference = tiny_config(tmp_path / "one", model=MOE | model, train=TRAIN)
     train(reference)
     run = tiny_config(tmp_path / name, model=MOE | model, parallel=parallel, train=TRAIN | train_section)
-    tp_sharded = [train(run)] if ranks == 1 else run_ranks(train, ranks, tmp_path, run)
-    assert all(tp_sharded) == (parallel.get("tp", 1) > 1)
+    per_rank = [train(run)] if ranks == 1 else run_ranks(train, ranks, tmp_path, run)
+    assert all(by_tp for by_tp, _ in per_rank) == (parallel.get("tp", 1) > 1)
+    # under sequence parallelism each tp rank routes its own part of every sequence, else the whole sequence
+    split = parallel.get("tp", 1) if parallel.get("sequence_parallel") else 1
+    assert all(positions == {run.model.block_size // split} for _, positions in per_rank)
 
     rows, expected = read_metrics(run.run.dir), read_metrics(reference.run.dir)
     assert len(rows) == len(expected) == 4

@@ -5,6 +5,7 @@ numbers the row carries as they are."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -21,29 +22,32 @@ class AfterStep(Protocol):
 
 class MoEBalance:
     """The step's routing statistics for the metrics (`moe`), and the loss-free balancing bias moved by the
-    whole step's tokens per expert (summed over `group`). The first row also carries the bytes of the routed
-    experts' weights this rank holds and their whole, which expert parallelism and FSDP divide."""
+    whole step's tokens per expert (summed over `groups`, the ranks routing other tokens). The first row
+    also carries the bytes of the routed experts' weights this rank holds and their whole, which expert
+    parallelism and FSDP divide."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
-        self.model, self.group = model, group
+    def __init__(self, model: nn.Module, groups: Sequence[dist.ProcessGroup]) -> None:
+        self.model, self.groups = model, groups
         self.reported = False
 
     def after_step(self, skipped: torch.Tensor) -> dict[str, Any]:
         statistics = take_statistics(self.model)
         if statistics is None:
             return {}
-        update_balance(self.model, statistics, self.group, skipped)
+        update_balance(self.model, statistics, self.groups, skipped)
         if self.reported:
             return {"moe": statistics}
         self.reported = True
         return {"moe": statistics, **expert_bytes(self.model)}
 
 
-def after_step_hooks(model: nn.Module, group: dist.ProcessGroup | None, masks: Masks | None) -> list[AfterStep]:
+def after_step_hooks(
+    model: nn.Module, routing_groups: Sequence[dist.ProcessGroup], masks: Masks | None
+) -> list[AfterStep]:
     """The hooks a model needs: MoE balance where it has MoE layers, pruning masks where the run has them."""
     hooks: list[AfterStep] = []
     if moe_layers(model):
-        hooks.append(MoEBalance(model, group))
+        hooks.append(MoEBalance(model, routing_groups))
     if masks is not None:
         hooks.append(masks)
     return hooks

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,12 +116,21 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(experts, d, hidden, gated)
         self.shared = GroupedExperts(1, d, hidden, gated) if config.moe_shared_expert else None
         self.register_buffer("expert_bias", torch.zeros(experts))  # loss-free balancing; saved in checkpoints
+        # Per-sequence means the balance terms read; where a layer routes part of each sequence (sequence
+        # parallelism), the parallel code completes them over the ranks holding the other parts
+        self.sequence_mean = nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None  # tokens routed to each expert this step (before drops)
         self.dropped: torch.Tensor | None = None
         self.balance: torch.Tensor | None = None  # the balance loss (1: balanced), summed over forwards
         self.forwards = 0
+
+    @property
+    def token_wise(self) -> bool:
+        """Whether each token's route is its own: no capacity, which would drop tokens by their order in
+        the micro-batch. Such a layer can route any part of a sequence apart from the rest."""
+        return self.config.moe_capacity <= 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, scores, chosen experts (T, k), their weights (T, k)) for tokens `x` (T, d)."""
@@ -185,8 +194,11 @@ class MoE(nn.Module):
         share = probs.view(batch, -1, experts).mean(1)  # P: mean score per sequence and expert
         picks = chosen.view(batch, -1)
         routed = torch.zeros(batch, experts, device=picks.device).scatter_add_(1, picks, torch.ones_like(picks).float())
-        balance = experts * (routed / picks.shape[1] * share).sum(-1).mean()
-        aux = c.moe_aux_loss * balance + c.moe_z_loss * torch.logsumexp(logits, -1).square().mean()
+        z = torch.logsumexp(logits, -1).square().view(batch, -1).mean(1, keepdim=True)
+        means = self.sequence_mean(torch.cat([share, routed / picks.shape[1], z], dim=1))
+        share, routed_share, z = means.split([experts, experts, 1], dim=1)  # f: the share of picks per expert
+        balance = experts * (routed_share * share).sum(-1).mean()
+        aux = c.moe_aux_loss * balance + c.moe_z_loss * z.mean()
         if _recomputing[0]:
             return
         self.aux_loss = aux if c.moe_aux_loss or c.moe_z_loss else None
@@ -259,16 +271,17 @@ def balance_figures(summed: list[float], replicas: int, experts: int) -> dict[st
 
 @torch.no_grad()
 def update_balance(
-    module: nn.Module, statistics: torch.Tensor, group: dist.ProcessGroup | None, skipped: torch.Tensor
+    module: nn.Module, statistics: torch.Tensor, groups: Sequence[dist.ProcessGroup], skipped: torch.Tensor
 ) -> None:
     """Loss-free balancing, after a step: each layer's bias moves by `moe_bias_rate` towards its
     under-loaded experts, by the tokens per expert of the whole step (`statistics` of
-    `take_statistics`, this rank's, summed here over `group`); a skipped step moves nothing."""
+    `take_statistics`, this rank's, summed here over each of `groups`: the ranks routing other tokens);
+    a skipped step moves nothing."""
     layers = moe_layers(module)
     if not layers or not layers[0].config.moe_bias_balance:
         return
     loads = statistics[2:].clone()
-    if group is not None:
+    for group in groups:
         dist.all_reduce(loads, group=group)
     loads = loads.view(-1, layers[0].config.moe_experts)
     for layer in layers:

@@ -13,9 +13,12 @@ output passes a `compat.SumGradients` style, so its gradient, read by this rank'
 the group (Megatron's "f" operator).
 
 A mixture-of-experts feed-forward is replicated over the group (its router and experts; expert
-parallelism, if any, splits the experts over data-parallel ranks instead): it takes the gathered
-input as a plain tensor, every rank routes the same tokens alike, and under sequence parallelism its
-output is cut back to this rank's positions.
+parallelism, if any, splits the experts over data-parallel ranks instead) and takes a plain tensor.
+Under sequence parallelism a token-wise layer (`MoE.token_wise`: no capacity) routes this rank's
+positions only, so the group splits the routing and the experts' work instead of repeating it
+(`paralm.parallel.sequence_routing` sums what that leaves partial); otherwise, and a layer with a
+capacity (which drops tokens by their place in the whole micro-batch), it takes the gathered input,
+every rank routes the same tokens alike, and its output is cut back to this rank's positions.
 """
 
 from __future__ import annotations
@@ -75,12 +78,14 @@ def decoder_plan(model: nn.Module, names: DecoderNames, sequence_parallel: bool)
         for part in names.parts:
             if sequence_parallel:
                 plan[prefix + part.norm] = SequenceParallel()
-            if isinstance(model.get_submodule(prefix + part.module), MoE):
+            module = model.get_submodule(prefix + part.module)
+            if isinstance(module, MoE):
+                routed = residual if module.token_wise else Replicate()  # this rank's positions, or all
                 plan[prefix + part.module] = PrepareModuleInputOutput(
                     input_layouts=(residual,),
-                    desired_input_layouts=(Replicate(),),
+                    desired_input_layouts=(routed,),
                     use_local_input=True,
-                    output_layouts=(Replicate(),),
+                    output_layouts=(routed,),
                     desired_output_layouts=(residual,),
                 )
                 continue

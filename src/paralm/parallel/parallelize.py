@@ -30,6 +30,7 @@ from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
 from paralm.parallel.replicate import apply_replicate
 from paralm.parallel.runtime import Runtime
+from paralm.parallel.sequence_routing import SequenceRoutedGradients, sequence_routed_layers
 from paralm.parallel.step import Batches, LossScale, PlainStep, StepRunner
 from paralm.parallel.straggler import straggle
 from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank, reduce_partial_gradients
@@ -47,12 +48,16 @@ class ParallelPlan:
     tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
     experts: tuple[ExpertParallel, ...] = ()  # expert parallelism (one per pipeline stage): its gradients sync here
+    sequence_routed: SequenceRoutedGradients | None = None  # MoE layers routing this rank's positions under SP
+    routing_groups: tuple[dist.ProcessGroup, ...] = ()  # the ranks routing other tokens: the MoE token counts sum here
 
     def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
         loss = self.runner.forward_backward(batches, scale)
         if self.runtime.dims.tp_enabled:
             reduce_partial_gradients(self.model)
+        if self.sequence_routed is not None:
+            self.sequence_routed.reduce_gradients()
         for experts in self.experts:
             experts.reduce_gradients()
         return loss
@@ -96,6 +101,9 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
         every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
         runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep)
+    routed = None
+    if dims.tp_enabled and sequence_routed_layers(model, dims.sequence_parallel):
+        routed = SequenceRoutedGradients(model, dims.sequence_parallel, runtime.mesh["tp"].get_group())
     return ParallelPlan(
         model=model,
         module=module,
@@ -105,6 +113,8 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         tied=tuple(tied),
         scaler_group=runtime.grad_group if dims.shards_gradients else None,
         experts=tuple(experts),
+        sequence_routed=routed,
+        routing_groups=tuple(g for g in (runtime.dp_group, routed.group if routed else None) if g is not None),
     )
 
 

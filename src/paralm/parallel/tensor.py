@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 
 from paralm.convert.lora import shard_adapters_like_weights
 from paralm.models.spec import ModelSpec, ShardedRegion, tied_parameters
+from paralm.parallel.sequence_routing import complete_sequence_means
 
 
 def apply_tensor_parallel(
@@ -42,6 +43,7 @@ def apply_tensor_parallel(
     for name, source in tied.items():
         module, attribute = name.rsplit(".", 1)
         setattr(model.get_submodule(module), attribute, model.get_parameter(source))
+    complete_sequence_means(model, sequence_parallel, tp_mesh.get_group())
     if dropout:
         draw_per_rank(model, spec.sharded_regions(model, sequence_parallel), tp_mesh)
 

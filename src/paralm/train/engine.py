@@ -63,7 +63,7 @@ class StepEngine:
         self.init_from = init_source(config, self.resume_from)  # a new run's weights: another model's
         pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
-        self.hooks = after_step_hooks(self.plan.model, runtime.dp_group, self.masks)
+        self.hooks = after_step_hooks(self.plan.model, self.plan.routing_groups, self.masks)
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
 

@@ -1,0 +1,68 @@
+"""Mixture-of-experts layers that route this rank's part of each sequence, under sequence parallelism.
+
+The tensor-parallel plan (`paralm.models.tensor_plan`) hands a token-wise MoE layer (`MoE.token_wise`)
+this rank's positions instead of the gathered sequence, so the tp ranks split the routing, the experts'
+matmuls and, under expert parallelism, the all-to-all's tokens, where they would each repeat all of it.
+That leaves two things partial, which this module completes (Megatron-Core routes sequence-parallel
+tokens alike):
+- the balance terms are per-sequence means (`MoE.sequence_mean`): each rank's means over its part are
+  averaged over the group in forward; backward hands each part 1/tp of the mean's gradient, the share of
+  the whole that its positions make up, as every rank adds the same auxiliary loss;
+- every parameter of such a layer (router, shared and routed experts) has a gradient from this rank's
+  positions only: `reduce_gradients` sums them over the group once per step, in one all-reduce. An expert
+  split by expert parallelism has the same shard on its tp peers (tp is the innermost mesh dim of both
+  meshes), so its local gradient sums alike.
+The loss-free bias counts the tokens of the whole step: its counts sum over the group too (`routing_groups`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from paralm.models.moe import MoE, moe_layers
+
+
+def sequence_routed_layers(model: nn.Module, sequence_parallel: bool) -> list[MoE]:
+    """The MoE layers that the plan hands this rank's positions only."""
+    return [layer for layer in moe_layers(model) if sequence_parallel and layer.token_wise]
+
+
+def complete_sequence_means(model: nn.Module, sequence_parallel: bool, group: dist.ProcessGroup) -> None:
+    """Each sequence-routed layer's per-sequence means averaged over `group`, the ranks holding the other parts."""
+    for layer in sequence_routed_layers(model, sequence_parallel):
+        layer.sequence_mean.register_forward_hook(partial(_mean_over, group))
+
+
+def _mean_over(group: dist.ProcessGroup, module: nn.Module, inputs: Any, part: torch.Tensor) -> torch.Tensor:
+    """The mean of the ranks' `part`s (equal numbers of positions each); its gradient is 1/n of the mean's."""
+    total = part.detach().clone()
+    dist.all_reduce(total, group=group)
+    n = dist.get_world_size(group)
+    return part / n + (total - part.detach()) / n
+
+
+class SequenceRoutedGradients:
+    """The gradients of the sequence-routed layers' parameters, summed over the tensor-parallel group."""
+
+    def __init__(self, model: nn.Module, sequence_parallel: bool, group: dist.ProcessGroup) -> None:
+        """After every wrapping (FSDP replaces the parameters it shards)."""
+        layers = sequence_routed_layers(model, sequence_parallel)
+        self.parameters = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        self.group = group
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads:
+            return
+        parts = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([part.reshape(-1) for part in parts])
+        dist.all_reduce(flat, group=self.group)
+        for part, summed in zip(parts, flat.split([part.numel() for part in parts]), strict=True):
+            part.copy_(summed.view_as(part))
