@@ -21,7 +21,7 @@ MEGATRON_MISS = (
     "the presets' attention pricing, set with torch's kernel, does not see"
 )
 MOE_MISS = (
-    "an MoE block priced as its matmuls and its all-to-alls only; the source's 121 model TFLOP/s per GPU is 2.3x "
+    "an MoE block priced as its matmuls and its all-to-alls only; the source's 121 model TFLOP/s per GPU is 2.1x "
     "below that price, and what Megatron-Core spends the rest on (routing, token permutation, grouped FP8 "
     "GEMMs of 16 small experts per rank) is not measured here"
 )

@@ -3,8 +3,9 @@
 As torchtitan, ep lives inside the data-parallel ranks: the dp_shard ranks are cut into groups of `ep`
 neighbours; the ranks of a group see different data and hold different experts (a DTensor sharded
 by expert, so checkpoints are saved by expert and load at any ep), and the groups hold copies. Beside
-tensor parallelism each tp rank has its own ep groups (tp is the mesh's innermost dim) and routes the same
-gathered tokens as its tp peers, so the experts' gradients agree over tp and need no sync there.
+tensor parallelism each tp rank has its own ep groups (tp is the mesh's innermost dim): under sequence
+parallelism each routes its own positions, and `paralm.parallel.sequence_routing` sums the experts'
+gradients over tp; without it each routes the gathered tokens, as its tp peers do, and they agree.
 Around each `MoE.experts` call (tokens sorted by expert, the count per expert) the tokens travel to
 the rank holding their expert and back, by `all_to_all_single`: the counts first (fixed sizes), then
 the tokens with those splits, which the host reads (once per MoE layer and forward: NCCL's all-to-all

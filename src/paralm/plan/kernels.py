@@ -158,7 +158,8 @@ def block_forward(
     attend to all s keys (ring or all-to-all alike: the same work, balanced by zig-zag or by heads).
     `float8`: the weight matmuls at the FP8 peak on one-byte operands, plus their casts; `compiled`:
     elementwise work fused (`COMPILED_KERNELS`). With expert parallelism (`ep` > 1) a rank runs 1/ep of
-    the experts, each on the tokens routed to it from all ep ranks: the same FLOPs in larger matmuls."""
+    the experts, each on the tokens routed to it from all ep ranks: the same FLOPs in larger matmuls. MoE
+    layers are replicated over TP: each rank routes the gathered tokens, or under SP its own positions."""
     d, s, e = shape.d_model, shape.block_size, element_bytes
     local = s // cp
     tokens = sequences * local
@@ -174,13 +175,19 @@ def block_forward(
     casts = sum(count * float8_casts(tokens, n, d, e, compiled) for n, count in widths) if float8 else 0.0
     if shape.moe is not None:  # MoE blocks: each expert multiplies its share of the routed tokens instead
         moe = shape.moe
-        routed = tokens * moe.top_k / moe.experts * ep
+        # replicated over TP: the gathered tokens on every rank, or under SP each rank's own positions
+        own = tokens / t if sp else tokens
+        routed = own * moe.top_k / moe.experts * ep
 
         def ffn(matrices: tuple[tuple[int, int, int], ...], rows_in: float) -> float:
             return sum(count * matmul(cluster, dtype, rows_in, r * c // d, d, e) for r, c, count in matrices)
 
-        experts = moe.experts / ep * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, tokens)
-        linear += moe.layers / shape.n_layer * (experts - ffn(moe.dense_ffn_matrices, tokens))
+        experts = moe.experts / ep * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, own)
+        dense = sum(  # the dense feed-forward `linear` priced above, as it did
+            count * matmul(cluster, linear_dtype, tokens, r * c // d / t, d, linear_bytes)
+            for r, c, count in moe.dense_ffn_matrices
+        )
+        linear += moe.layers / shape.n_layer * (experts - dense)
     heads = sequences * shape.n_head / t
     attention, attention_backward = fused_attention(cluster, dtype, shape, local, heads, e, attention_kernel)
     seq_split = t if sp else 1

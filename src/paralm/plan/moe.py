@@ -6,10 +6,11 @@ parallelism (`parallel.ep`, a searched dim) costs and saves.
   router and shared experts are dense parameters;
 - data-parallel traffic (`paralm.plan.timing`): the experts' gathers and gradient reductions run over
   `edp`, so ep divides the experts' share of them;
-- all-to-all: each MoE block sends every routed token (top-k copies of its d_model activations) to the
-  experts' ranks and receives the outputs back in forward, the same twice in backward and once more for a
-  recomputed block: (ep - 1) / ep of tokens x k x d_model x element bytes per all-to-all (uniform
-  routing), none of it hidden (the dispatch waits on the router, the experts on the dispatch).
+- all-to-all: each MoE block sends every routed token (top-k copies of its d_model activations; under
+  sequence parallelism a tp rank routes its own positions only) to the experts' ranks and receives the
+  outputs back in forward, the same twice in backward and once more for a recomputed block: (ep - 1) / ep
+  of tokens x k x d_model x element bytes per all-to-all (uniform routing), none of it hidden (the
+  dispatch waits on the router, the experts on the dispatch).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def all_to_all_message(layout: Layout, work: Workload) -> float:
     shape = work.shape
     assert shape.moe is not None
     tokens = layout.pipeline_batch * layout.sequence(shape)
+    if layout.sequence_parallel:  # each tp rank routes its own positions (`paralm.parallel.sequence_routing`)
+        tokens //= layout.tp
     return tokens * shape.moe.top_k * shape.d_model * work.element_bytes
 
 
