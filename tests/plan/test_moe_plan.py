@@ -15,6 +15,7 @@ import torch
 
 from paralm.config.load import load_config
 from paralm.models.registry import model_shape, model_spec
+from paralm.plan import kernels
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import device_memory, rank_expert_params, rank_params
@@ -85,6 +86,20 @@ def test_expert_parallelism_moves_expert_traffic_to_all_to_alls():
     assert all_to_all_bytes(layout, work) == pytest.approx(per_block * shape.moe.layers)
     checkpointed = dataclasses.replace(layout, activation_checkpointing="full")
     assert all_to_all_bytes(checkpointed, work) == pytest.approx(1.5 * per_block * shape.moe.layers)
+
+
+def test_under_sequence_parallelism_each_tp_rank_routes_its_own_positions():
+    """As `paralm.parallel.sequence_routing` runs it: the all-to-all's bytes and the experts' matmuls per rank
+    are 1/tp of what routing the gathered sequence on every tp rank costs; the attention's are the same."""
+    config = load_config(*MIXTRAL)
+    work = Workload.from_config(config, 64, "fp32-master")
+    cluster = PRESETS["h100"].with_devices(64)
+    gathered, own = (_layout(dp_shard=8, tp=8, ep=8, sequence_parallel=sp) for sp in (False, True))
+    assert all_to_all_bytes(own, work) == pytest.approx(all_to_all_bytes(gathered, work) / 8)
+    e = work.element_bytes
+    blocks = {sp: kernels.block_forward(cluster, work.dtype, work.shape, 1, 8, sp, e, ep=8) for sp in (False, True)}
+    assert blocks[True].attention == blocks[False].attention
+    assert blocks[True].linear < blocks[False].linear / 2  # the experts' rows: most of a Mixtral block's matmuls
 
 
 def test_the_search_prices_every_expert_degree_and_picks_one_for_mixtral():
