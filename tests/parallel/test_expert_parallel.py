@@ -132,15 +132,21 @@ def train(config: Config) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, parallel", [(2, {"ep": 2}), (4, {"ep": 2, "zero": 3})], ids=["ep2", "ep2-zero3"])
+@pytest.mark.parametrize(
+    "ranks, parallel",
+    [(2, {"ep": 2}), (4, {"ep": 2, "zero": 3}), (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "zero": 3})],
+    ids=["ep2", "ep2-zero3", "tp2-sp-ep2-zero3"],
+)
 def test_expert_parallel_resumes_exactly_and_at_another_degree(tmp_path, ranks, parallel):
     """AdamW (optimizer state in the checkpoint) and the loss-free bias (a fast rate, so that a bias lost
-    on resume changes the routing): an ep = 2 run (with ZeRO-3 on 4 ranks: experts sharded by FSDP too)
-    stopped at step 3 and resumed ends as one process does; its step-3 checkpoint also resumes on one process."""
+    on resume changes the routing): an ep = 2 run (with ZeRO-3 on 4 ranks: experts sharded by FSDP too; and
+    beside tp 2 with sequence parallelism, each tp rank routing its own positions) stopped at step 3 and
+    resumed ends as one process does; its step-3 checkpoint also resumes on one process."""
     model = MOE | {"moe_bias_balance": True, "moe_bias_rate": 0.05}
 
     def run(name: str, ranks: int, steps: int, parallel: dict) -> Config:
-        train_section = {"micro_batch_size": GLOBAL_BATCH // ranks, "steps": steps}
+        dp = ranks // parallel.get("tp", 1)
+        train_section = {"micro_batch_size": GLOBAL_BATCH // dp, "steps": steps}
         checkpoint = {"every": 3, "resume": "auto"}
         return tiny_config(tmp_path / name, model=model, parallel=parallel, train=train_section, checkpoint=checkpoint)
 
