@@ -257,14 +257,16 @@ def take_statistics(module: nn.Module) -> torch.Tensor | None:
     return values
 
 
-def balance_figures(summed: list[float], replicas: int, experts: int) -> dict[str, float]:
-    """Metrics of `take_statistics`' vectors summed over ranks (`replicas` ranks see different data):
-    the balance loss (mean), dropped tokens, and the worst layer's max/mean tokens per expert."""
+def balance_figures(summed: list[float], replicas: int, experts: int, tp: int = 1) -> dict[str, float]:
+    """Metrics of `take_statistics`' vectors summed over ranks (`replicas`: the ranks holding each balance
+    loss, data-parallel times tensor-parallel): the balance loss (mean), dropped tokens, and the worst
+    layer's max/mean tokens per expert. Tokens are dropped only by a capacity, and a layer with one routes
+    the gathered tokens on each of the `tp` ranks alike (not `token_wise`): each drop is counted tp times."""
     loads = torch.tensor(summed[2:]).view(-1, experts)
     imbalance = (loads.amax(1) / loads.mean(1).clamp(min=1e-9)).max().item()
     return {
         "moe_aux_loss": summed[0] / replicas / loads.shape[0],  # the mean over the layers
-        "moe_dropped_tokens": int(summed[1]),
+        "moe_dropped_tokens": round(summed[1] / tp),
         "moe_load_imbalance": imbalance,
     }
 

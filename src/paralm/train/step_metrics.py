@@ -136,7 +136,11 @@ class StepMetrics:
                     **{k: int(v) for k, v in named.items()},
                     **host,
                     **({"comm_bytes": int(comm_bytes)} if self.comm_bytes else {}),
-                    **(balance_figures(routing, self.loss_divisor, self.moe_experts) if routing else {}),
+                    **(
+                        balance_figures(routing, self.loss_divisor, self.moe_experts, self.runtime.dims.tp)
+                        if routing
+                        else {}
+                    ),
                 )
             )
         self._pending, self._window_start = [], None
