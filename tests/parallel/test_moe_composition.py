@@ -39,6 +39,7 @@ LAYOUTS = {  # name: (ranks, parallel section, train section, model section besi
     "pp2-ep2-zero3": (4, {"pp": 2, "pp_microbatches": 2, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
     "tp2-sp-ep2-zero3": (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "zero": 3}, {"micro_batch_size": 4}, {}),
     "tp2-sp-bias": (2, {"tp": 2, "sequence_parallel": True}, {}, BIAS),
+    "pp2-tp2-sp": (4, {"pp": 2, "pp_microbatches": 2, "tp": 2, "sequence_parallel": True}, {}, {}),
     "tp2-ep2-zero2-llama": (
         4,
         {"tp": 2, "ep": 2, "zero": 2},
