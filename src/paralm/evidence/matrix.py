@@ -30,8 +30,8 @@ MODELS = {
         family="llama", n_layer=4, n_head=4, n_kv_heads=2, d_model=32, ffn_hidden=64, block_size=32, vocab_size=256
     ),
     # DeepSeek-V3's kind: latent attention, a dense first block, shared + routed experts with sigmoid scores,
-    # group-limited top-2 and the loss-free bias. Layouts its rules refuse (tp, cp, the parameter
-    # server) are skipped with their one line.
+    # group-limited top-2 and the loss-free bias. Layouts its rules refuse (cp, the parameter server)
+    # are skipped with their one line.
     "deepseek": ModelConfig(
         family="deepseek",
         n_layer=4,

@@ -101,9 +101,8 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
         every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
         runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep)
-    routed = None
-    if dims.tp_enabled and sequence_routed_layers(model, dims.sequence_parallel):
-        routed = SequenceRoutedGradients(model, dims.sequence_parallel, runtime.mesh["tp"].get_group())
+    layers = sequence_routed_layers(model, dims.sequence_parallel) if dims.tp_enabled else []
+    routed = SequenceRoutedGradients(layers, runtime.mesh["tp"].get_group()) if layers else None
     return ParallelPlan(
         model=model,
         module=module,

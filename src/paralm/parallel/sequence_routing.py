@@ -50,9 +50,8 @@ def _mean_over(group: dist.ProcessGroup, module: nn.Module, inputs: Any, part: t
 class SequenceRoutedGradients:
     """The gradients of the sequence-routed layers' parameters, summed over the tensor-parallel group."""
 
-    def __init__(self, model: nn.Module, sequence_parallel: bool, group: dist.ProcessGroup) -> None:
+    def __init__(self, layers: list[MoE], group: dist.ProcessGroup) -> None:
         """After every wrapping (FSDP replaces the parameters it shards)."""
-        layers = sequence_routed_layers(model, sequence_parallel)
         self.parameters = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         self.group = group
 
