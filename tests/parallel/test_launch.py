@@ -1,5 +1,6 @@
 """`paralm train --nproc` names the rank that failed first, not one torchrun's agent stopped afterwards."""
 
+import argparse
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+import paralm.launch.local as local
 from paralm.errors import FAILED_AT_FIELD
 from paralm.launch.local import _report_failure, in_order_of_failure
 
@@ -90,3 +92,25 @@ def test_a_job_names_the_rank_that_raised_not_the_one_stopped_after(tmp_path):
         "paralm: worker rank 1 failed (exit code 1: RuntimeError: injected failure on rank 1); "
         "then rank 0 was stopped by the launcher (signal SIGTERM)"
     )
+
+
+@pytest.mark.parametrize("has_option", [True, False])
+def test_the_launcher_asks_for_a_shutdown_grace_only_where_torchrun_has_one(monkeypatch, has_option):
+    """torchrun gained --shutdown-timeout in 2.13: an older one (the lent GPUs' image) still starts the job."""
+
+    def parser() -> argparse.ArgumentParser:
+        made = argparse.ArgumentParser()
+        for flag in ("--standalone",):
+            made.add_argument(flag, action="store_true")
+        for flag in ("--nproc-per-node", "--max-restarts", *(["--shutdown-timeout"] if has_option else [])):
+            made.add_argument(flag)
+        made.add_argument("-m", action="store_true")
+        made.add_argument("script")
+        made.add_argument("args", nargs=argparse.REMAINDER)
+        return made
+
+    started = []
+    monkeypatch.setattr(local, "get_args_parser", parser)
+    monkeypatch.setattr(local, "run", started.append)
+    assert local.launch_local_workers(2, ["train"]) == 0
+    assert (vars(started[0]).get("shutdown_timeout") == str(local.SHUTDOWN_TIMEOUT_S)) is has_option

@@ -35,12 +35,17 @@ def launch_local_workers(nproc: int, paralm_args: list[str], max_restarts: int =
     os.environ[ERRORS_TO_LAUNCHER_ENV] = "1"
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers die with this process (paralm.launch.lifeline)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we say what happened, once
-    launcher_args = get_args_parser().parse_args(
+    parser = get_args_parser()
+    # torchrun before 2.13 has no --shutdown-timeout (its workers get 30 s): start them there all the same
+    grace = [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
+    if parser.parse_known_args([*grace, "script"])[1]:  # the option is not torchrun's
+        grace = []
+    launcher_args = parser.parse_args(
         [
             "--standalone",
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
-            f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
+            *grace,
             "-m",
             "paralm",
             *paralm_args,
