@@ -2,6 +2,7 @@
 sustained bf16 matmuls with NVML's power, SM clock and throttle reasons sampled alongside.
 
     python benchmarks/power_clock.py [--seconds 15] [--shape 16384 4096 14336]
+    python benchmarks/power_clock.py --during "python benchmarks/planner_vs_measured.py ..."
 
 A (M x K) by (K x N) bf16 matmul (default: a Llama 3 8B MLP projection on 16k tokens) runs back to back
 for `--seconds`, once on random inputs and once on zeros (the same kernel toggling fewer bits: less power
@@ -11,13 +12,17 @@ share of samples the software power cap was throttling, and joules per PFLOP abo
 The last lines bound what a lower power limit leaves (torchtitan's H100 hosts run at 500 W): at most the
 speed measured here, and at least that speed scaled by (limit - idle) / (measured - idle), which holds
 if lower clocks need no more energy per FLOP (the voltage falls with the clock, or stays) and the idle
-draw stands for the static power. Needs a CUDA GPU and NVML (`nvidia-ml-py`).
+draw stands for the static power. `--during COMMAND` reads NVML while a command runs instead (a training
+run, say) and summarises its busy samples: those drawing over a quarter of the way from idle to the limit.
+Needs a CUDA GPU and NVML (`nvidia-ml-py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -96,11 +101,32 @@ def sustained(nvml, handle, shape: tuple[int, int, int], fill: str, seconds: flo
     return statistics.mean(f for t, f in chunks if t > 1.0) / 1e12, sampler.samples[settled:]
 
 
+def during(nvml, handle, command: str, idle: float, limit: float) -> None:
+    """Power and clocks while `command` runs, over its busy samples."""
+    sampler = Sampler(nvml, handle)
+    sampler.start()
+    code = subprocess.run(shlex.split(command)).returncode
+    sampler.running = False
+    sampler.join()
+    busy = [s for s in sampler.samples if s.watts > idle + (limit - idle) / 4]
+    print(f"during: {command} (exit {code}); {len(busy)} of {len(sampler.samples)} samples busy")
+    if busy:
+        watts, mhz = [s.watts for s in busy], [s.sm_mhz for s in busy]
+        rows = [
+            [label, f"{statistics.quantiles(v, n=10)[i]:.0f}" if len(v) > 1 else f"{v[0]:.0f}"]
+            for v, unit in ((watts, "W"), (mhz, "MHz"))
+            for i, label in ((0, f"p10 {unit}"), (4, f"median {unit}"), (8, f"p90 {unit}"))
+        ]
+        rows.append(["power-capped", f"{sum(s.power_capped for s in busy) / len(busy):.0%}"])
+        print_table(["busy samples", "value"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--shape", type=int, nargs=3, default=(16384, 4096, 14336), metavar=("M", "K", "N"))
     parser.add_argument("--limit", type=float, default=500.0, help="a lower power limit to bound (watts)")
+    parser.add_argument("--during", help="a command to sample NVML during, instead of the matmuls")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("power_clock.py: needs a CUDA GPU (it reads the GPU's power and clocks through NVML)")
@@ -118,6 +144,10 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}; enforced power limit {limit:.0f} W (settable {low:.0f}-{high:.0f})")
     print(f"max SM clock {max_sm} MHz; idle draw {idle:.0f} W; matmul {' x '.join(map(str, args.shape))} bf16")
     print(*machine(), sep="\n")
+    if args.during:
+        during(nvml, handle, args.during, idle, limit)
+        nvml.nvmlShutdown()
+        return
     rows, measured = [], {}
     for fill in ("random", "zeros"):
         tflops, samples = sustained(nvml, handle, tuple(args.shape), fill, args.seconds)

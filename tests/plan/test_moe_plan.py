@@ -133,3 +133,16 @@ def test_deepseek_v3s_full_shape_counts_its_papers_parameters_and_fits_1024_h100
     layout = _layout(dp_shard=1024, ep=8, micro_batch_size=3, grad_accum=5, activation_checkpointing="full")
     plan = evaluate(layout, work, cluster)
     assert plan.memory.total <= cluster.memory_bytes and plan.time.ep_comm_s > 0
+
+
+@pytest.mark.parametrize(("ep", "passes"), [(1, 7), (8, 12)])
+def test_an_moe_block_pays_for_moving_its_routed_rows(ep, passes):
+    """`MoE.forward` gathers each token's top-k copies in expert order, scales them and sums them back: 7 passes
+    over the routed rows (d_model wide) in memory; expert parallelism reorders them between source ranks and
+    local experts and back, 5 more."""
+    shape = model_shape(load_config(*MIXTRAL).model)
+    top_1 = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, top_k=1))
+    memory = dataclasses.replace(PRESETS["h100"], memory_bandwidth=1e9)
+    elementwise = [kernels.block_forward(memory, "bf16", s, 1, 1, False, 2, ep=ep).elementwise for s in (shape, top_1)]
+    rows = shape.block_size * (shape.moe.top_k - 1) * shape.moe.layers / shape.n_layer
+    assert elementwise[0] - elementwise[1] == pytest.approx(passes * rows * shape.d_model * 2 / 1e9)

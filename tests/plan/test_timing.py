@@ -244,3 +244,20 @@ def test_tensor_parallelism_leaves_the_whole_matrices_whole() -> None:
     linear = [kernels.block_forward(IDEAL, "bf16", shape, 1, t, False, 2).linear for t in (1, 2)]
     whole = 2 * shape.block_size * shape.layer_whole_params / IDEAL.peak("bf16")
     assert linear[1] == pytest.approx(whole + (linear[0] - whole) / 2)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "dp_shard", "zero", "casts"),
+    [("fp32-master", 1, 0, True), ("fp32-master", 8, 1, True), ("fp32-master", 8, 3, False), ("paper", 1, 0, False)],
+)
+def test_autocast_casts_fp32_weights_in_every_forward_unless_fsdp_gathers_them_cast(recipe, dp_shard, zero, casts):
+    """paralm's fp32 parameters under autocast: each forward reads every weight (the tied head's too) in fp32
+    and writes its 16-bit copy, 6 bytes a parameter, and backward casts their gradients back as much. FSDP's
+    gathers arrive cast; a recipe with 16-bit parameters has nothing to cast."""
+    memory = dataclasses.replace(IDEAL, memory_bandwidth=1e12)
+    work = dataclasses.replace(_work(batch=dp_shard), recipe=recipe)
+    base = dataclasses.replace(work, recipe="paper")
+    layout = _layout(micro_batch_size=1, dp_shard=dp_shard, zero=zero)
+    extra = step_time(layout, work, memory).compute_s - step_time(layout, base, memory).compute_s
+    weights = SHAPE.n_layer * SHAPE.layer_params + SHAPE.embedding_params
+    assert extra == pytest.approx(2 * weights * 6 / 1e12 if casts else 0.0, rel=1e-3)

@@ -8,7 +8,8 @@ kernel launch (`Cluster.kernel_latency`). A block's weight matrices are the fami
 the MLP's activation, RoPE, residual adds, the loss's softmax) is memory-bound: its bytes over the
 bandwidth, plus a launch per kernel. Attention is the fused kernel paralm's model calls (torch's
 scaled_dot_product_attention): two batched matmuls per query head of (s x hd) by (hd x s), with no
-s x s matrix in memory (grouped-query attention shares k and v, not the work).
+s x s matrix in memory (grouped-query attention shares k and v, not the work). An MoE block adds its
+experts' matmuls on their routed rows and the passes that move those rows into expert order and back.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ ROTARY_BYTES = 12 * 4
 # Compiled, the forward of a block runs one kernel per fusible run of elementwise ops: each norm with
 # the residual add before it (2), the MLP's activation with its product (1), RoPE on q and k (2).
 COMPILED_KERNELS = 5
+# Passes over the routed rows (a token's copy per chosen expert, d_model wide) an MoE block's forward
+# makes besides its experts' matmuls (`paralm.models.moe.MoE.forward`): the gather of each token's copies
+# in expert order (read, write), their scaling by the routing weights (read, write), and the sum back
+# into token order (read the rows, read and write the sums).
+PERMUTATION_PASSES = 7
+# With expert parallelism, more (`paralm.parallel.expert`): the rows that arrive, reordered from source
+# rank to local expert (read, write), and the experts' outputs put back in arrival order (a zeroed
+# buffer written, the rows read and written).
+EXPERT_PARALLEL_PASSES = 5
 
 
 def efficiency(cluster: Cluster, dtype: str, size: float) -> float:
@@ -173,6 +183,7 @@ def block_forward(
     linear_dtype, linear_bytes = ("fp8", 1) if float8 else (dtype, e)
     linear = sum(count * matmul(cluster, linear_dtype, tokens, n, d, linear_bytes) for n, count in widths)
     casts = sum(count * float8_casts(tokens, n, d, e, compiled) for n, count in widths) if float8 else 0.0
+    permutation = 0.0
     if shape.moe is not None:  # MoE blocks: each expert multiplies its share of the routed tokens instead
         moe = shape.moe
         # replicated over TP: the gathered tokens on every rank, or under SP each rank's own positions
@@ -188,6 +199,8 @@ def block_forward(
             for r, c, count in moe.dense_ffn_matrices
         )
         linear += moe.layers / shape.n_layer * (experts - dense)
+        passes = PERMUTATION_PASSES + (EXPERT_PARALLEL_PASSES if ep > 1 else 0)
+        permutation = moe.layers / shape.n_layer * passes * own * moe.top_k * d * e
     heads = sequences * shape.n_head / t
     attention, attention_backward = fused_attention(cluster, dtype, shape, local, heads, e, attention_kernel)
     seq_split = t if sp else 1
@@ -201,7 +214,7 @@ def block_forward(
         # MLP's activation and RoPE on q and k, split by TP.
         replicated, split_bytes = 10 * d, e * shape.mlp_traffic + ROTARY_BYTES * shape.rotary_width
         kernels = shape.elementwise_kernels
-    elementwise_bytes = tokens * (e * replicated / seq_split + split_bytes / t) + casts
+    elementwise_bytes = tokens * (e * replicated / seq_split + split_bytes / t) + casts + permutation
     elementwise = elementwise_bytes / cluster.memory_bandwidth + kernels * cluster.kernel_latency
     return BlockTimes(linear, attention, elementwise, attention_backward)
 

@@ -258,8 +258,9 @@ RUNS: tuple[PublishedRun, ...] = (
             micro_batch_size=64,
         ),
         512,
-        "tokens spread evenly over the experts (the source forces the balance, dropless); no activation "
-        "recompute; distributed optimizer as ZeRO-1; fused kernels priced as compiled, attention as cuDNN's",
+        "tokens spread evenly over the experts (the source forces the balance, dropless); token permutation as "
+        "paralm's; no activation recompute; distributed optimizer as ZeRO-1; fused kernels priced as compiled, "
+        "attention as cuDNN's",
         recipe="fp32-grads",
         compiled=True,
         float8=True,

@@ -23,6 +23,8 @@ Stated assumptions:
   (`Cluster.comm_overlap`, measured by calibrate); with `overlap=False` nothing is hidden;
 - FSDP (ZeRO-2/3) also copies parameters and gradients in and out of its flat collective buffers:
   memory-bound, not hidden;
+- without FSDP, autocast casts each fp32 weight to the compute dtype in every forward (and recompute)
+  and its gradient back in backward: 6 bytes a parameter each way (`fp32-master`, 16-bit compute);
 - the optimizer step is memory-bound: the bytes it reads and writes over `cluster.memory_bandwidth`;
 - nothing for what processes sharing a host's cores do to each other (DTensor's dispatch, skew
   between ranks, cores left cold or freed by waiting ranks): the model ranks layouts on such a host,
@@ -113,10 +115,13 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * e
     cp_f, cp_b = context_parallel_times(layout, work, cluster, block.attention)
     all_reduce = _tensor_parallel_all_reduce(activation, t, cluster.link(*group_strides(layout)["tp"]), sp)
+    cast = _weight_cast(layout, work, cluster, block_params(shape, layout))
+    head_cast = _weight_cast(layout, work, cluster, (shape.head_params or shape.embedding_params) / t)
+    casts = rank.layers * cast + rank.has_head * head_cast
     return _MicroBatch(
-        f=rank.layers * block.forward + head,
-        r=recomputed * block.forward,
-        b_in=rank.layers * block.input_gradients + head,
+        f=rank.layers * block.forward + head + casts,
+        r=recomputed * (block.forward + cast),
+        b_in=rank.layers * block.input_gradients + head + casts,
         w=rank.layers * block.weight_gradients + head,
         # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
@@ -125,6 +130,16 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         cp_f=rank.layers * cp_f,
         cp_b=rank.layers * cp_b + recomputed * cp_f,
     )
+
+
+def _weight_cast(layout: Layout, work: Workload, cluster: Cluster, params: float) -> float:
+    """Seconds autocast takes to cast `params` fp32 weights to the compute dtype in a forward (read 4
+    bytes, write 2), and as long for their gradients' cast back in backward: paralm's fp32 parameters
+    meet autocast in every forward, unless FSDP (ZeRO-2/3 with replicas to sync) gathers them cast."""
+    e = work.element_bytes
+    if e == 4 or work.recipe != "fp32-master" or (layout.zero >= 2 and layout.dp * layout.cp > 1):
+        return 0.0
+    return params * (4 + e) / cluster.memory_bandwidth
 
 
 def _tensor_parallel_all_reduce(activation: float, t: int, link: Link, sp: bool) -> float:
