@@ -141,6 +141,7 @@ ARGS = {
 EXTERNAL = {
     "vs_nanogpt.py": "a checkout of karpathy/nanoGPT (from GitHub, not a package registry)",
     "sweep_concurrency.py": "a local Ray per sweep (minutes on 2 cores); `paralm sweep` is tested in tests/sweep",
+    "power_clock.py": "a CUDA GPU and NVML: it reads the GPU's power draw, clocks and throttle reasons",
     "fault_tolerance.py": "a dozen training jobs and a kill (minutes on 2 cores); the same paths are tested in "
     "tests/parallel/test_fault_tolerant.py",
 }
