@@ -123,11 +123,12 @@ def test_a_dtype_with_its_own_curve_is_read_on_it(tmp_path) -> None:
         load_cluster(path)
 
 
-def test_the_shipped_measured_h200_file_is_the_preset_with_measured_kernels() -> None:
-    """configs/clusters/h200-measured.toml: the h200 preset's machine, its matmul curve read at the
-    smallest side, and both attention kernels with their backward curves."""
-    measured = parse_cluster("configs/clusters/h200-measured.toml:8")
-    preset = PRESETS["h200"].with_devices(8)
+@pytest.mark.parametrize("chip", ["h100", "h200"])
+def test_a_shipped_measured_file_is_its_preset_with_measured_kernels(chip: str) -> None:
+    """configs/clusters/<chip>-measured.toml: the preset's machine, its matmul curve read at the smallest
+    side, and both attention kernels with their backward curves."""
+    measured = parse_cluster(f"configs/clusters/{chip}-measured.toml:8")
+    preset = PRESETS[chip].with_devices(8)
     kernels = dict(gemm_efficiency=preset.gemm_efficiency, gemm_shape="square", attention_efficiency={})
     same = dict(name=preset.name, memory_bandwidth=preset.memory_bandwidth, **kernels)
     assert dataclasses.replace(measured, **same) == dataclasses.replace(preset, source=measured.source)
