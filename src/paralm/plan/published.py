@@ -13,7 +13,9 @@ from paralm.hardware import gpu_variant
 
 TORCHTITAN_2024 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 820504e20d11"
 TORCHTITAN_ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @ 820504e20d11"
-BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @ 067f987df03b, 25.11 DGX-H100"
+BRIDGE_FILE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @ 067f987df03b"
+BRIDGE = f"{BRIDGE_FILE}, 25.11 DGX-H100"
+BRIDGE_2509 = f"{BRIDGE_FILE}, 25.09 DGX-H100"
 LLAMA3_PAPER = "Meta, The Llama 3 Herd of Models (2024), table 4"
 
 LLAMA3_8B = ("llama", 32, 4096, 32, 8, 14336)
@@ -23,6 +25,26 @@ LLAMA3_405B = ("llama", 126, 16384, 128, 8, 53248)
 # 768, top-8 renormalised, 128-wide heads with q/k norms; the dense width (6144) is unused.
 QWEN3_30B_A3B = ("llama", 48, 2048, 32, 4, 6144)
 QWEN3_MOE = dict(moe_experts=128, moe_top_k=8, moe_hidden=768, head_dim=128, qk_norm=True)
+# DeepSeek-V3 (its paper, table and appendix; configs/deepseek-v3.toml): 61 layers, the first 3 dense (SwiGLU
+# 18432), then 256 routed experts of width 2048 and one shared, top-8 by sigmoid in 4 of 8 groups; latent
+# attention (MLA) of 128 heads.
+DEEPSEEK_V3 = ("deepseek", 61, 7168, 128, 128, 18432)
+DEEPSEEK_V3_FIELDS = dict(
+    moe_hidden=2048,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    moe_experts=256,
+    moe_top_k=8,
+    moe_first_dense=3,
+    moe_shared_expert=True,
+    moe_score="sigmoid",
+    moe_groups=8,
+    moe_topk_groups=4,
+)
+MEGATRON = "distributed optimizer as ZeRO-1; sequence parallel on; fused kernels as compiled, attention as cuDNN's"
 
 # torchtitan's hosts: Grand Teton, H100 with 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s per GPU. Their note
 # puts the peak between the SXM's and the NVL's datasheet figures, exactly unknown: the midpoint here.
@@ -267,5 +289,61 @@ RUNS: tuple[PublishedRun, ...] = (
         attention_kernel="cudnn",
         vocab=151936,
         model_fields=QWEN3_MOE,
+    ),
+    PublishedRun(
+        "Megatron-Bridge 405B TP 8 x PP 8 (VP 8) x CP 2 FP8, 1024 H100",
+        f"{BRIDGE}, LLAMA3.1_405B",
+        292,
+        LLAMA3_405B,
+        8192,
+        1024,
+        dict(
+            dp_shard=8,
+            zero=1,
+            tp=8,
+            sequence_parallel=True,
+            pp=8,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=8,
+            cp=2,
+            pp_microbatches=64,
+            micro_batch_size=64,
+        ),
+        512,
+        f"no activation recompute; {MEGATRON}; context parallelism as a ring (Megatron's p2p default)",
+        recipe="fp32-grads",
+        compiled=True,
+        float8=True,
+        attention_kernel="cudnn",
+    ),
+    PublishedRun(
+        "Megatron-Bridge DeepSeek-V3 TP 2 x PP 8 (VP 4) x EP 64, 1024 H100",
+        f"{BRIDGE_2509}, DeepSeekV3 (dropless)",
+        1297,
+        DEEPSEEK_V3,
+        4096,
+        1024,
+        dict(
+            dp_shard=64,
+            zero=1,
+            tp=2,
+            sequence_parallel=True,
+            pp=8,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=4,
+            ep=64,
+            pp_microbatches=128,
+            micro_batch_size=128,
+        ),
+        8192,
+        "FP8 (the table names no precision; its note gives H100's FP8 block scaling); tokens spread evenly over "
+        f"the experts (the source forces the balance); no activation recompute; {MEGATRON}; every routed copy "
+        "sent on its own (no deduplication per node)",
+        recipe="fp32-grads",
+        compiled=True,
+        float8=True,
+        attention_kernel="cudnn",
+        vocab=129280,
+        model_fields=DEEPSEEK_V3_FIELDS,
     ),
 )
