@@ -15,6 +15,7 @@ does not change): what the sequence costs. The block size doubles from `--start`
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from common import machine, print_table, train_metrics
@@ -39,6 +40,7 @@ LAYOUTS = {"cp1": (1, None), "cp2-ring": (2, "ring"), "cp2-alltoall": (2, "allto
 LAYOUTS |= {"cp4-ring": (4, "ring"), "cp4-alltoall": (4, "alltoall")}
 
 
+@functools.cache  # the speed run and a short search's runs are often the same run: train it once
 def run(cp: int, method: str | None, block_size: int) -> dict[str, float]:
     args = [*MODEL, f"--model.block_size={block_size}"]
     if method:

@@ -1,6 +1,7 @@
 """Model-state memory per rank under ZeRO 0-3 on 1, 2 and 4 ranks, beside the ZeRO paper; precision speed.
 
     python benchmarks/zero_memory.py [--steps 6] [--gpt2] [--d-model 384] [--n-layer 6] [--ranks 1 2 4]
+        [--stages 0 1 2 3] [--dtypes fp32 bf16 fp16]
 
 Table 1: by default the 6-layer, 384-wide model (block 256, byte vocabulary, Ψ = 10.8M), fp32 AdamW, global
 batch 12 sequences on every layout. "measured" is parameters + gradients + optimizer state held by
@@ -42,11 +43,11 @@ def _run(shape: dict[str, int], extra: list[str], steps: int, nproc: int) -> dic
     return train_metrics(args, threads=max(1, CORES // nproc), nproc=nproc)
 
 
-def memory_table(shape: dict[str, int], steps: int, all_ranks: list[int]) -> None:
+def memory_table(shape: dict[str, int], steps: int, all_ranks: list[int], stages: list[int]) -> None:
     num_params = registry.model_shape(ModelConfig(**shape)).params
     rows = []
     for ranks in all_ranks:
-        for stage in (0,) if ranks == 1 else (0, 1, 2, 3):
+        for stage in (0,) if ranks == 1 else stages:
             m = _run(shape, [f"--parallel.zero={stage}"], steps, ranks)
             prediction = ZeroPrediction(stage, ranks, num_params, StateBytes.of("fp32", "adamw"))
             measured = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
@@ -65,11 +66,16 @@ def memory_table(shape: dict[str, int], steps: int, all_ranks: list[int]) -> Non
     )  # fmt: skip
 
 
-def precision_table(shape: dict[str, int], steps: int) -> None:
-    results = {dtype: _run(shape, [f"--precision.dtype={dtype}"], steps, 1) for dtype in ("fp32", "bf16", "fp16")}
-    fp32 = results["fp32"]["tokens_per_s"]
+def precision_table(shape: dict[str, int], steps: int, dtypes: list[str]) -> None:
+    results = {dtype: _run(shape, [f"--precision.dtype={dtype}"], steps, 1) for dtype in dtypes}
+    fp32 = results.get("fp32", {}).get("tokens_per_s")
     rows = [
-        [dtype, f"{m['tokens_per_s']:,.0f}", f"{100 * m['mfu']:.1f}%", f"{m['tokens_per_s'] / fp32:.2f}"]
+        [
+            dtype,
+            f"{m['tokens_per_s']:,.0f}",
+            f"{100 * m['mfu']:.1f}%",
+            f"{m['tokens_per_s'] / fp32:.2f}" if fp32 else "-",
+        ]
         for dtype, m in results.items()
     ]
     print(f"\nPrecision on one process ({CORES} threads), same model")
@@ -98,13 +104,17 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3], help="ZeRO stages on 2+ ranks"
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=["fp32", "bf16", "fp16"])
     args = parser.parse_args()
     if args.gpt2:
         gpt2_table(args.steps)
         return
     shape = model_shape(args.d_model, args.n_layer)
-    memory_table(shape, args.steps, args.ranks)
-    precision_table(shape, args.steps)
+    memory_table(shape, args.steps, args.ranks, args.stages)
+    precision_table(shape, args.steps, args.dtypes)
 
 
 if __name__ == "__main__":

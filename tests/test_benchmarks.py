@@ -27,7 +27,7 @@ ARGS = {
     ],
     "comm_counter.py": ["--steps", "1"],
     "context_parallel.py": [
-        *("--budget-mib", "64", "--start", "512", "--longest", "512", "--speed-at", "512"),
+        *("--budget-mib", "64", "--start", "256", "--longest", "256", "--speed-at", "256"),  # one run per layout
         *("--layouts", "cp1", "cp2-ring"),
     ],
     "hf_loading.py": ["--mb", "20", "--shards", "2", "--ranks", "1", "2"],
@@ -56,7 +56,8 @@ ARGS = {
         *("--families", "gpt2", "--schemes", "int8-dynamic-int4-weight", "--seeds", "1"),
         *("--steps", "2", "--finetune-steps", "1", "--n-layer", "1", "--d-model", "32", "--eval-samples", "8"),
     ],
-    "gpu_check.py": ["--rows", "1 proc fp32", "ZeRO-3"],  # the script runs; every row runs in benchmarks, not CI
+    # the script runs (its one-process path in the GPT-2 rows); every row runs in benchmarks, not CI
+    "gpu_check.py": ["--rows", "ZeRO-3"],
     "generate_cache.py": [
         "--new-tokens",
         "4",
@@ -112,7 +113,7 @@ ARGS = {
     ],
     "step_time.py": ["--steps", "2", "--rounds", "1", "--layouts", "ddp"],
     "tensor_parallel_comm.py": ["--tp", "2", "--batch", "1"],
-    "throughput.py": ["--steps", "3", "--models", "tiny"],
+    "throughput.py": ["--steps", "3", "--models", "tiny", "--dtypes", "fp32"],
     "vs_transformers_llama.py": [
         "--steps",
         "3",
@@ -135,7 +136,10 @@ ARGS = {
         "--batch",
         "2",
     ],
-    "zero_memory.py": ["--steps", "3", "--d-model", "32", "--n-layer", "1", "--ranks", "2"],
+    "zero_memory.py": [
+        *("--steps", "3", "--d-model", "32", "--n-layer", "1"),
+        *("--ranks", "2", "--stages", "3", "--dtypes", "fp32"),
+    ],
 }
 # Only their arguments are parsed: what they need is not at hand, or their one step is minutes long.
 EXTERNAL = {
