@@ -42,11 +42,19 @@ class Sample:
 
 
 class Sampler(threading.Thread):
-    """Reads NVML every `SAMPLE_SECONDS` until stopped."""
+    """Reads NVML every `SAMPLE_SECONDS` while its `with` block runs."""
 
     def __init__(self, nvml, handle) -> None:
         super().__init__(daemon=True)
         self.nvml, self.handle, self.samples, self.running = nvml, handle, [], True
+
+    def __enter__(self) -> Sampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.running = False
+        self.join()
 
     def run(self) -> None:
         # NVML renamed "throttle" reasons "event" reasons; the bindings keep the old names as aliases
@@ -67,14 +75,6 @@ class Sampler(threading.Thread):
             time.sleep(SAMPLE_SECONDS)
 
 
-def idle_watts(nvml, handle, samples: int = 10) -> float:
-    draws = []
-    for _ in range(samples):
-        draws.append(nvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
-        time.sleep(SAMPLE_SECONDS)
-    return statistics.mean(draws)
-
-
 def sustained(nvml, handle, shape: tuple[int, int, int], fill: str, seconds: float) -> tuple[float, list[Sample]]:
     """TFLOP/s of back-to-back matmuls over `seconds`, and the samples taken meanwhile (the first second,
     while clocks and power settle, left out of both)."""
@@ -84,30 +84,24 @@ def sustained(nvml, handle, shape: tuple[int, int, int], fill: str, seconds: flo
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     torch.mm(a, b, out=out)
     torch.cuda.synchronize()
-    sampler = Sampler(nvml, handle)
-    sampler.start()
-    began, chunks = time.perf_counter(), []
-    while time.perf_counter() - began < seconds:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            torch.mm(a, b, out=out)
-        end.record()
-        end.synchronize()
-        chunks.append((time.perf_counter() - began, 20 * 2 * m * k * n / (start.elapsed_time(end) / 1e3)))
-    sampler.running = False
-    sampler.join()
+    with Sampler(nvml, handle) as sampler:
+        began, chunks = time.perf_counter(), []
+        while time.perf_counter() - began < seconds:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                torch.mm(a, b, out=out)
+            end.record()
+            end.synchronize()
+            chunks.append((time.perf_counter() - began, 20 * 2 * m * k * n / (start.elapsed_time(end) / 1e3)))
     settled = len(sampler.samples) // max(1, round(seconds))  # about the first second's samples
     return statistics.mean(f for t, f in chunks if t > 1.0) / 1e12, sampler.samples[settled:]
 
 
 def during(nvml, handle, command: str, idle: float, limit: float) -> None:
     """Power and clocks while `command` runs, over its busy samples."""
-    sampler = Sampler(nvml, handle)
-    sampler.start()
-    code = subprocess.run(shlex.split(command)).returncode
-    sampler.running = False
-    sampler.join()
+    with Sampler(nvml, handle) as sampler:
+        code = subprocess.run(shlex.split(command)).returncode
     busy = [s for s in sampler.samples if s.watts > idle + (limit - idle) / 4]
     print(f"during: {command} (exit {code}); {len(busy)} of {len(sampler.samples)} samples busy")
     if busy:
@@ -119,6 +113,27 @@ def during(nvml, handle, command: str, idle: float, limit: float) -> None:
         ]
         rows.append(["power-capped", f"{sum(s.power_capped for s in busy) / len(busy):.0%}"])
         print_table(["busy samples", "value"], rows)
+
+
+def matmuls(nvml, handle, shape: tuple[int, int, int], seconds: float, idle: float, limit: float) -> None:
+    """The table of sustained matmuls on random inputs and on zeros, and the bounds at `limit` watts."""
+    rows, measured = [], {}
+    for fill in ("random", "zeros"):
+        tflops, samples = sustained(nvml, handle, shape, fill, seconds)
+        watts = statistics.mean(s.watts for s in samples)
+        mhz = statistics.mean(s.sm_mhz for s in samples)
+        capped = sum(s.power_capped for s in samples) / len(samples)
+        joules = (watts - idle) / (tflops * 1e-3)  # per PFLOP, above idle
+        measured[fill] = (tflops, watts)
+        rows.append([fill, f"{tflops:.0f}", f"{watts:.0f}", f"{mhz:.0f}", f"{capped:.0%}", f"{joules:.0f}"])
+    print_table(["inputs", "TFLOP/s", "watts", "SM MHz", "power-capped", "J/PFLOP over idle"], rows)
+    tflops, watts = measured["random"]
+    if limit < watts:
+        floor = tflops * (limit - idle) / (watts - idle)
+        print(f"at a {limit:.0f} W limit (random inputs): between {floor:.0f} and {tflops:.0f} TFLOP/s")
+        print(f"  ({floor / tflops:.2f}-1.00 of the speed here; the floor: no more energy per FLOP at lower clocks)")
+    else:
+        print(f"at a {limit:.0f} W limit: as here ({watts:.0f} W drawn is under it)")
 
 
 def main() -> None:
@@ -140,31 +155,16 @@ def main() -> None:
     low, high = (w / 1e3 for w in nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle))
     max_sm = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)
     time.sleep(1.0)
-    idle = idle_watts(nvml, handle)
+    with Sampler(nvml, handle) as sampler:
+        time.sleep(0.5)
+    idle = statistics.mean(s.watts for s in sampler.samples)
     print(f"device: {torch.cuda.get_device_name()}; enforced power limit {limit:.0f} W (settable {low:.0f}-{high:.0f})")
     print(f"max SM clock {max_sm} MHz; idle draw {idle:.0f} W; matmul {' x '.join(map(str, args.shape))} bf16")
     print(*machine(), sep="\n")
     if args.during:
         during(nvml, handle, args.during, idle, limit)
-        nvml.nvmlShutdown()
-        return
-    rows, measured = [], {}
-    for fill in ("random", "zeros"):
-        tflops, samples = sustained(nvml, handle, tuple(args.shape), fill, args.seconds)
-        watts = statistics.mean(s.watts for s in samples)
-        mhz = statistics.mean(s.sm_mhz for s in samples)
-        capped = sum(s.power_capped for s in samples) / len(samples)
-        joules = (watts - idle) / (tflops * 1e-3)  # per PFLOP, above idle
-        measured[fill] = (tflops, watts)
-        rows.append([fill, f"{tflops:.0f}", f"{watts:.0f}", f"{mhz:.0f}", f"{capped:.0%}", f"{joules:.0f}"])
-    print_table(["inputs", "TFLOP/s", "watts", "SM MHz", "power-capped", "J/PFLOP over idle"], rows)
-    tflops, watts = measured["random"]
-    if args.limit < watts:
-        floor = tflops * (args.limit - idle) / (watts - idle)
-        print(f"at a {args.limit:.0f} W limit (random inputs): between {floor:.0f} and {tflops:.0f} TFLOP/s")
-        print(f"  ({floor / tflops:.2f}-1.00 of the speed here; the floor: no more energy per FLOP at lower clocks)")
     else:
-        print(f"at a {args.limit:.0f} W limit: as here ({watts:.0f} W drawn is under it)")
+        matmuls(nvml, handle, tuple(args.shape), args.seconds, idle, args.limit)
     nvml.nvmlShutdown()
 
 

@@ -151,6 +151,11 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def fsdp(self) -> bool:
+        """Whether paralm shards through FSDP: ZeRO-2/3 with replicas to sync (`ParallelDims.fsdp_enabled`)."""
+        return self.zero >= 2 and self.dp * self.cp > 1
+
+    @property
     def expert_shards(self) -> int:
         """Ranks ZeRO shards each routed expert over: the `edp` ranks holding the same experts
         (`paralm.parallel.expert`)."""

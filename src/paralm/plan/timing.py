@@ -137,7 +137,7 @@ def _weight_cast(layout: Layout, work: Workload, cluster: Cluster, params: float
     bytes, write 2), and as long for their gradients' cast back in backward: paralm's fp32 parameters
     meet autocast in every forward, unless FSDP (ZeRO-2/3 with replicas to sync) gathers them cast."""
     e = work.element_bytes
-    if e == 4 or work.recipe != "fp32-master" or (layout.zero >= 2 and layout.dp * layout.cp > 1):
+    if e == 4 or work.recipe != "fp32-master" or layout.fsdp:
         return 0.0
     return params * (4 + e) / cluster.memory_bandwidth
 
