@@ -6,8 +6,9 @@ from paralm.models.config import ModelConfig
 from paralm.models.registry import model_shape
 from paralm.plan import kernels
 from paralm.plan.cluster import PRESETS
+from paralm.plan.data_parallel import powersgd_elements
 from paralm.plan.layout import Workload
-from paralm.plan.timing import powersgd_elements, step_time
+from paralm.plan.timing import step_time
 from tests.plan.helpers import layout
 
 SHAPE = model_shape(ModelConfig(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))

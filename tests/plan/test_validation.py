@@ -3,10 +3,12 @@ summary line scripts read. Rows the physics misses are strict xfails naming why:
 pass, or a passing row that regresses, fails the suite."""
 
 import re
+from pathlib import Path
 
 import pytest
 
 from paralm.cli import main
+from paralm.plan.cluster import PRESETS
 from paralm.plan.published import RUNS, PublishedRun
 from paralm.plan.validate import predict, summary_line, validation
 
@@ -49,7 +51,7 @@ def _case(run: PublishedRun) -> object:
 
 @pytest.mark.parametrize("run", [_case(r) for r in RUNS], ids=[r.name for r in RUNS])
 def test_published_run_within_tolerance(run: PublishedRun) -> None:
-    ratio = predict(run) / run.published
+    ratio = predict(run, PRESETS["h100"]) / run.published
     print(f"{run.name}: {ratio:.3f}x")
     assert abs(ratio - 1) <= TOLERANCE
 
@@ -69,3 +71,20 @@ def test_validate_prints_every_row_and_the_summary_line(capsys) -> None:
     assert float(match[2]) == pytest.approx(100 * sum(errors) / len(errors), abs=0.05)
     assert out[-1] == summary_line()
     assert all(any(run.name in line for line in out) for run in RUNS)
+
+
+def test_validate_prices_the_runs_on_a_given_description_of_an_h100(capsys) -> None:
+    """The measured H100 tables price every row differently from the preset; the summary line is theirs."""
+    measured = str(Path(__file__).parents[2] / "configs/clusters/h100-measured.toml")
+    assert main(["plan", "--validate", "--cluster", measured]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == f"priced on: h100-measured ({measured})"
+    assert out[-1] == summary_line(measured) != summary_line()
+    preset, table = validation(), validation(measured)
+    assert all(a.run == b.run and a.predicted != b.predicted for a, b in zip(preset, table, strict=True))
+
+
+def test_validate_refuses_a_cluster_of_another_chip(capsys) -> None:
+    assert main(["plan", "--validate", "--cluster", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "--cluster a100-80gb: the published runs ran on H100s" in err and "Traceback" not in err

@@ -24,7 +24,8 @@ def add_plan_verbs(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--validate",
         action="store_true",
-        help="price the published GPU runs paralm ships (docs/planner-validation.md) and compare",
+        help="price the published GPU runs paralm ships (docs/planner-validation.md) and compare; "
+        "--cluster prices them on another description of an H100 (default: the h100 preset)",
     )
     plan.add_argument("--top", type=int, default=10, help="layouts to show (and to write with --json); 0: all")
     plan.add_argument("--write-config", metavar="PATH", help="write the best layout as a config paralm trains with")
@@ -80,7 +81,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.validate import error_line, report
 
     if args.validate:
-        print(report())
+        print(report(args.cluster or "h100"))
         return 0
     if not args.cluster:
         raise UserError("paralm plan needs --cluster (a preset such as h100:64, or a TOML file), or --validate")

@@ -1,7 +1,8 @@
 """`paralm plan --validate`: the planner against the published runs it ships (`paralm.plan.published`).
 
-Each run is priced as published: its model, its layout and batch, its hardware (the h100 preset with
-what the source states about its machines); nothing is searched or fitted. The error of a row is
+Each run is priced as published: its model, its layout and batch, its hardware (the h100 preset, or a
+cluster given that describes an H100, with what the source states about its machines); nothing is
+searched or fitted. The error of a row is
 |predicted / published - 1|; the last line sums them up for scripts: `published runs: N, mean error X%,
 worst Y%`.
 """
@@ -12,7 +13,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from paralm.plan.cluster import PRESETS, Cluster
+from paralm.errors import UserError
+from paralm.plan.cluster import Cluster, parse_cluster
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.published import RUNS, PublishedRun
 from paralm.plan.report import table
@@ -70,28 +72,45 @@ def workload(run: PublishedRun) -> Workload:
     )
 
 
-def hardware(run: PublishedRun) -> Cluster:
-    """The h100 preset with what the run's source states about its machines."""
-    return dataclasses.replace(PRESETS["h100"].with_devices(run.gpus), **run.cluster)
+# Every published run ran on H100s: a cluster prices them only if its device is one (dense bf16 peak).
+H100_BF16_PEAK = 989e12
+
+
+def base_cluster(spec: str) -> Cluster:
+    """The cluster the runs are priced on: a preset or a TOML file (`--cluster`) that describes an H100."""
+    cluster = parse_cluster(spec)
+    if cluster.peak("bf16") != H100_BF16_PEAK:
+        raise UserError(
+            f"--cluster {spec}: the published runs ran on H100s; give a cluster whose bf16 peak is the H100's "
+            f"({H100_BF16_PEAK:.3g} FLOP/s), not {cluster.peak('bf16'):.3g}"
+        )
+    return cluster
+
+
+def hardware(run: PublishedRun, base: Cluster) -> Cluster:
+    """`base` sized to the run, with what the run's source states about its machines."""
+    return dataclasses.replace(base.with_devices(run.gpus), **run.cluster)
 
 
 def layout(run: PublishedRun) -> Layout:
     return Layout(**(LAYOUT_DEFAULTS | run.layout))
 
 
-def predict(run: PublishedRun) -> float:
+def predict(run: PublishedRun, base: Cluster) -> float:
     """The run's tokens/s per GPU (or MFU) as the planner prices its stated layout and hardware."""
-    plan = evaluate(layout(run), workload(run), hardware(run))
+    plan = evaluate(layout(run), workload(run), hardware(run, base))
     return plan.mfu if run.metric == "mfu" else plan.tokens_per_s / run.gpus
 
 
 @functools.cache
-def validation() -> tuple[Priced, ...]:
-    return tuple(Priced(run, predict(run)) for run in RUNS)
+def validation(cluster: str = "h100") -> tuple[Priced, ...]:
+    """Every published run priced on `cluster` (a preset or TOML file describing an H100)."""
+    base = base_cluster(cluster)
+    return tuple(Priced(run, predict(run, base)) for run in RUNS)
 
 
-def summary_line() -> str:
-    errors = [p.error for p in validation()]
+def summary_line(cluster: str = "h100") -> str:
+    errors = [p.error for p in validation(cluster)]
     return (
         f"published runs: {len(errors)}, mean error {100 * sum(errors) / len(errors):.1f}%, "
         f"worst {100 * max(errors):.1f}%"
@@ -106,7 +125,7 @@ def error_line() -> str:
     )
 
 
-def report() -> str:
+def report(cluster: str = "h100") -> str:
     """The table of every row (name, predicted, published, error, source, assumptions) and the summary."""
 
     def value(run: PublishedRun, x: float) -> str:
@@ -114,8 +133,9 @@ def report() -> str:
 
     rows = [
         (p.run.name, value(p.run, p.predicted), value(p.run, p.run.published), f"{100 * p.error:.1f}%")
-        for p in validation()
+        for p in validation(cluster)
     ]
-    notes = [f"  {i}. {p.run.source}; assumed: {p.run.assumed}" for i, p in enumerate(validation(), 1)]
+    notes = [f"  {i}. {p.run.source}; assumed: {p.run.assumed}" for i, p in enumerate(validation(cluster), 1)]
     headers = ("run", "predicted", "published", "error")
-    return "\n".join([table(rows, headers), "sources and assumptions:", *notes, summary_line()])
+    priced_on = f"priced on: {base_cluster(cluster).name} ({cluster})"
+    return "\n".join([priced_on, table(rows, headers), "sources and assumptions:", *notes, summary_line(cluster)])
