@@ -5,20 +5,10 @@ import pytest
 from paralm.models.config import ModelConfig
 from paralm.models.registry import model_shape
 from paralm.plan import kernels
-from paralm.plan.cluster import PRESETS
-from paralm.plan.data_parallel import powersgd_elements
-from paralm.plan.layout import Workload
 from paralm.plan.timing import step_time
-from tests.plan.helpers import layout
+from tests.plan.helpers import H100, NO_LATENCY, SHAPE, batched_layout, small_work
 
-SHAPE = model_shape(ModelConfig(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
-H100 = PRESETS["h100"].with_devices(64)
 FREE_LINKS = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0, intra_bandwidth=1e30, inter_bandwidth=1e30)
-NO_LATENCY = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0)
-
-
-def _work(batch: int = 64, reduce_dtype: str = "fp32") -> Workload:
-    return Workload(SHAPE, batch, "bf16", reduce_dtype, 2, False, "paper", 25 * 2**20)
 
 
 IDEAL = dataclasses.replace(NO_LATENCY, gemm_efficiency=((1.0, 1.0),), kernel_latency=0.0, memory_bandwidth=1e30)
@@ -26,7 +16,7 @@ IDEAL = dataclasses.replace(NO_LATENCY, gemm_efficiency=((1.0, 1.0),), kernel_la
 
 def test_at_peak_compute_is_the_model_flops() -> None:
     """With matmuls at peak and free memory traffic, the roofline is the FLOP count: 6N + 12Lds per token."""
-    time = step_time(_layout(), _work(), IDEAL)
+    time = step_time(batched_layout(), small_work(), IDEAL)
     flops = SHAPE.flops_per_token * 64 * SHAPE.block_size
     # 6N counts biases and norms as if they were matmul weights; they are elementwise work (free here).
     vectors = SHAPE.n_layer * (SHAPE.layer_params - SHAPE.layer_matrix_params) + SHAPE.final_norm_params
@@ -35,7 +25,7 @@ def test_at_peak_compute_is_the_model_flops() -> None:
 
 
 def test_full_recompute_repeats_the_block_forwards() -> None:
-    time = step_time(_layout(activation_checkpointing="full"), _work(), IDEAL)
+    time = step_time(batched_layout(activation_checkpointing="full"), small_work(), IDEAL)
     linear, attention = SHAPE.layer_forward_flops(64 * SHAPE.block_size)
     assert time.recompute_s == pytest.approx(SHAPE.n_layer * (linear + attention) / IDEAL.peak("bf16"), rel=1e-3)
 
@@ -44,7 +34,7 @@ def test_small_matmuls_and_small_shards_run_further_from_peak() -> None:
     small, large, huge = (kernels.efficiency(H100, "bf16", size) for size in (64, 1024, 1e5))
     assert small < large < huge
     per_flop = [
-        step_time(_layout(tp=t), _work(), FREE_LINKS).compute_s * t for t in (1, 8)
+        step_time(batched_layout(tp=t), small_work(), FREE_LINKS).compute_s * t for t in (1, 8)
     ]  # device-seconds of the same FLOPs
     assert per_flop[1] > per_flop[0]
 
@@ -65,7 +55,7 @@ def test_a_step_pays_one_latency_per_kernel_it_runs() -> None:
     two and the elementwise kernels three times (forward, twice in backward); the head's matmul and
     the loss's 3 kernels in forward, input and weight gradients."""
     floor = dataclasses.replace(IDEAL, kernel_latency=1.0)
-    time = step_time(_layout(micro_batch_size=64), _work(), floor)
+    time = step_time(batched_layout(micro_batch_size=64), small_work(), floor)
     per_block = 3 * (6 + 2 + SHAPE.elementwise_kernels)
     assert time.compute_s == pytest.approx(SHAPE.n_layer * per_block + 3 * 4, rel=1e-3)
 
@@ -101,130 +91,38 @@ def test_a_measured_attention_backward_is_priced_from_its_own_curve() -> None:
     )
 
 
-def test_zero1_moves_what_ddp_moves_after_backward() -> None:
-    """paralm's ZeRO-1 reduce-scatters fp32 gradients and all-gathers fp32 parameters after backward:
-    DDP's ring all-reduce bytes, none of it hidden behind backward, plus its copies into and out of
-    its buckets (gradients and parameters, each copy read and written, the shards twice)."""
-    lay, work = _layout(dp_shard=64, micro_batch_size=1, zero=1), dataclasses.replace(_work(), recipe="fp32-master")
-    ddp = step_time(_layout(dp_shard=64, micro_batch_size=1), work, NO_LATENCY, overlap=False).dp_comm_s
-    zero1 = step_time(lay, work, NO_LATENCY, overlap=False)
-    assert zero1.dp_comm_s == pytest.approx(ddp)
-    copies = 2 * (1 + 1 / 64) * 2 * SHAPE.params * 4 / NO_LATENCY.memory_bandwidth
-    assert step_time(lay, work, NO_LATENCY, overlap=True).dp_exposed_s == pytest.approx(ddp + copies)
-
-
-@pytest.mark.parametrize("zero", [2, 3])
-def test_accumulation_reduces_once_unless_sharded(zero: int) -> None:
-    """FSDP2 with sync off until the last micro-step reduces once per step; DeepSpeed-style sharded
-    accumulation reduce-scatters after every micro-step."""
-    work = _work(reduce_dtype="bf16")
-    one, four = (_layout(dp_shard=64, micro_batch_size=16, grad_accum=a, zero=zero) for a in (1, 4))
-    base = step_time(one, work, NO_LATENCY, overlap=False).dp_comm_s
-    once = step_time(four, work, NO_LATENCY, overlap=False).dp_comm_s
-    every = step_time(four, dataclasses.replace(work, sharded_accumulation=True), NO_LATENCY, overlap=False).dp_comm_s
-    reduce = base / 3 if zero == 3 else base / 2  # ZeRO-3: 2 gathers + 1 reduce-scatter; ZeRO-2: 1 + 1
-    gathers = base - reduce
-    assert once == pytest.approx((4 if zero == 3 else 1) * gathers + reduce)
-    assert every == pytest.approx(once + 3 * reduce)
-
-
-def test_zero3_moves_one_and_a_half_times_ddp() -> None:
-    """Rajbhandari et al. sec. 7: ZeRO-3 all-gathers twice and reduce-scatters once, 3 Psi against 2 Psi."""
-    work = _work(reduce_dtype="bf16")
-    ddp = step_time(_layout(dp_shard=64, micro_batch_size=1), work, NO_LATENCY, overlap=False)
-    zero3 = step_time(_layout(dp_shard=64, micro_batch_size=1, zero=3), work, NO_LATENCY, overlap=False)
-    zero2 = step_time(_layout(dp_shard=64, micro_batch_size=1, zero=2), work, NO_LATENCY, overlap=False)
-    assert zero3.dp_comm_s == pytest.approx(1.5 * ddp.dp_comm_s)
-    assert zero2.dp_comm_s == pytest.approx(ddp.dp_comm_s)
-
-
-def test_overlap_hides_only_what_compute_covers() -> None:
-    layout = _layout(dp_shard=64, micro_batch_size=1)
-    hidden, shown = step_time(layout, _work(), H100), step_time(layout, _work(), H100, overlap=False)
-    assert hidden.dp_exposed_s < shown.dp_exposed_s == shown.dp_comm_s == hidden.dp_comm_s
-    assert hidden.dp_exposed_s >= shown.dp_comm_s - hidden.compute_s
-
-
-def test_devices_that_do_not_overlap_hide_nothing() -> None:
-    """`comm_overlap` is the fraction of the overlappable time compute hides (calibrate measures it)."""
-    layout = _layout(dp_shard=64, micro_batch_size=1)
-    full, shown = step_time(layout, _work(), H100), step_time(layout, _work(), H100, overlap=False)
-    none = step_time(layout, _work(), dataclasses.replace(H100, comm_overlap=0.0))
-    half = step_time(layout, _work(), dataclasses.replace(H100, comm_overlap=0.5))
-    assert none.dp_exposed_s == pytest.approx(shown.dp_exposed_s)
-    hidden = shown.dp_exposed_s - full.dp_exposed_s
-    assert hidden > 0 and half.dp_exposed_s == pytest.approx(shown.dp_exposed_s - hidden / 2)
-
-
-@pytest.mark.parametrize("zero", [2, 3])
-def test_fsdp_pays_its_buffer_copies(zero: int) -> None:
-    """FSDP2 copies parameters and gradients in and out of its flat buffers: memory-bound, not hidden."""
-    layout = _layout(dp_shard=64, micro_batch_size=1, zero=zero)
-    fast = step_time(layout, _work(), NO_LATENCY, overlap=False)
-    slow = step_time(
-        layout,
-        _work(),
-        dataclasses.replace(NO_LATENCY, memory_bandwidth=NO_LATENCY.memory_bandwidth / 2),
-        overlap=False,
-    )
-    copies = fast.dp_exposed_s - fast.dp_comm_s
-    assert copies > 0 and slow.dp_exposed_s - slow.dp_comm_s == pytest.approx(2 * copies)
-
-
-def test_compression_shrinks_the_gradient_exchange() -> None:
-    layout = _layout(dp_shard=64, micro_batch_size=1)
-    plain = step_time(layout, _work(), NO_LATENCY).dp_comm_s
-    half = step_time(layout, dataclasses.replace(_work(), compression="bf16"), NO_LATENCY).dp_comm_s
-    low_rank = step_time(layout, dataclasses.replace(_work(), compression="powersgd"), NO_LATENCY).dp_comm_s
-    sparse = step_time(layout, dataclasses.replace(_work(), compression="topk"), NO_LATENCY).dp_comm_s
-    assert half == pytest.approx(plain / 2)
-    assert low_rank < plain / 50  # rank 4 of 1024-wide matrices
-    # 1% of the entries at 8 bytes, gathered from 63 peers, against 2 x 63/64 x 4 bytes per entry
-    assert sparse == pytest.approx(plain * 0.01 * 8 * 63 / (2 * 63 / 64 * 4), rel=0.01)
-
-
-def test_powersgd_counts_only_the_matrices_it_shrinks() -> None:
-    tiny = model_shape(ModelConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=16))
-    assert powersgd_elements(tiny, rank=4) == tiny.params  # 8 x 8 at rank 4 would not halve
-    assert powersgd_elements(SHAPE, rank=1) < SHAPE.params / 100
-
-
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (8, 32)])
 def test_1f1b_bubble_fraction(p: int, m: int) -> None:
-    time = step_time(_layout(pp=p, pp_microbatches=m), _work(), FREE_LINKS)
+    time = step_time(batched_layout(pp=p, pp_microbatches=m), small_work(), FREE_LINKS)
     assert time.bubble_s / time.compute_s == pytest.approx((p - 1) / m)
 
 
 def test_tensor_parallel_all_reduces_per_block() -> None:
     """Megatron: 2 all-reduces forward and 2 backward per block, one each for embedding and head."""
     t, tokens = 8, 64 * SHAPE.block_size
-    time = step_time(_layout(tp=t), _work(), NO_LATENCY)
+    time = step_time(batched_layout(tp=t), small_work(), NO_LATENCY)
     one = 2 * (t - 1) / t * tokens * SHAPE.d_model * 2 / H100.intra_bandwidth
     assert time.tp_comm_s == pytest.approx((4 * SHAPE.n_layer + 2) * one)
     # SP: an all-gather and a reduce-scatter instead of each all-reduce, the same bytes; and one
     # all-reduce of the replicated parameters' gradients (their ranks saw parts of the sequence)
-    sp = _layout(tp=t, sequence_parallel=True)
+    sp = batched_layout(tp=t, sequence_parallel=True)
     replicated = SHAPE.n_layer * SHAPE.layer_replicated_params + SHAPE.final_norm_params + SHAPE.position_params
     norms = 2 * (t - 1) / t * replicated * 4 / H100.intra_bandwidth
-    assert step_time(sp, _work(), NO_LATENCY).tp_comm_s == pytest.approx(time.tp_comm_s + norms)
+    assert step_time(sp, small_work(), NO_LATENCY).tp_comm_s == pytest.approx(time.tp_comm_s + norms)
     # ... at the backend's speed for each half: a reduce-scatter 3x the ring model's time (gloo's kind)
     slow_scatter = dataclasses.replace(NO_LATENCY, reduce_scatter_factor=3.0)
-    assert step_time(sp, _work(), slow_scatter).tp_comm_s == pytest.approx(2 * time.tp_comm_s + norms)
+    assert step_time(sp, small_work(), slow_scatter).tp_comm_s == pytest.approx(2 * time.tp_comm_s + norms)
 
 
 def test_groups_that_span_nodes_use_the_network() -> None:
     """dp ranks 1 apart share a node (NVLink); with tp = 8 they are 8 apart, one per node (InfiniBand)."""
-    intra = step_time(_layout(dp_shard=8, micro_batch_size=8), _work(), NO_LATENCY, overlap=False)
-    inter = step_time(_layout(dp_shard=8, tp=8, micro_batch_size=8), _work(), NO_LATENCY, overlap=False)
+    intra = step_time(batched_layout(dp_shard=8, micro_batch_size=8), small_work(), NO_LATENCY, overlap=False)
+    inter = step_time(batched_layout(dp_shard=8, tp=8, micro_batch_size=8), small_work(), NO_LATENCY, overlap=False)
     # A tp = 8 rank holds 1/8 of the split parameters and all the replicated ones (norms, positions).
     replicated = SHAPE.n_layer * SHAPE.layer_replicated_params + SHAPE.position_params + SHAPE.final_norm_params
     share = ((SHAPE.params - replicated) / 8 + replicated) / SHAPE.params
     expected = intra.dp_comm_s * share * H100.intra_bandwidth / H100.inter_bandwidth
     assert inter.dp_comm_s == pytest.approx(expected, rel=0.01)
-
-
-def _layout(**fields):
-    return layout(**({"micro_batch_size": 64} | fields))
 
 
 def test_tensor_parallelism_leaves_the_whole_matrices_whole() -> None:
@@ -256,9 +154,9 @@ def test_autocast_casts_fp32_weights_in_every_forward_unless_fsdp_gathers_them_c
     and writes its 16-bit copy, 6 bytes a parameter, and backward casts their gradients back as much. FSDP's
     gathers arrive cast; a recipe with 16-bit parameters has nothing to cast."""
     memory = dataclasses.replace(IDEAL, memory_bandwidth=1e12)
-    work = dataclasses.replace(_work(batch=dp_shard), recipe=recipe)
+    work = dataclasses.replace(small_work(batch=dp_shard), recipe=recipe)
     base = dataclasses.replace(work, recipe="paper")
-    layout = _layout(micro_batch_size=1, dp_shard=dp_shard, zero=zero)
+    layout = batched_layout(micro_batch_size=1, dp_shard=dp_shard, zero=zero)
     extra = step_time(layout, work, memory).compute_s - step_time(layout, base, memory).compute_s
     weights = SHAPE.n_layer * SHAPE.layer_params + SHAPE.embedding_params
     assert extra == pytest.approx(2 * weights * 6 / 1e12 if casts else 0.0, rel=1e-3)
