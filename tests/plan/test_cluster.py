@@ -36,6 +36,12 @@ def test_bad_clusters_are_user_errors(spec: str) -> None:
         parse_cluster(spec)
 
 
+def test_a_missing_cluster_file_is_named_with_how_to_write_one(tmp_path) -> None:
+    missing = tmp_path / "mine.toml"
+    with pytest.raises(UserError, match=f"--cluster '{missing}:8': no file {missing}; `paralm calibrate --out"):
+        parse_cluster(f"{missing}:8")
+
+
 def test_links_follow_rank_placement() -> None:
     cluster = parse_cluster("h100:64")
     assert cluster.link(size=8, stride=1) == cluster.intra  # one node

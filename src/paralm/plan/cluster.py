@@ -219,6 +219,8 @@ def parse_cluster(spec: str) -> Cluster:
     if not match:
         raise UserError(f"--cluster {spec!r}: expected NAME, NAME:COUNT or a TOML file")
     name, count = match["name"], match["count"]
+    if name.endswith(".toml") and not Path(name).is_file():
+        raise UserError(f"--cluster {spec!r}: no file {name}; `paralm calibrate --out {name}` writes one")
     if name.endswith(".toml") or Path(name).is_file():
         cluster = load_cluster(name)
     else:
