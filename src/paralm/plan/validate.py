@@ -1,8 +1,8 @@
 """`paralm plan --validate`: the planner against the published runs it ships (`paralm.plan.published`).
 
-Each run is priced as published: its model, its layout and batch, its hardware (the h100 preset, or a
-cluster given that describes an H100, with what the source states about its machines); nothing is
-searched or fitted. The error of a row is
+Each run is priced as published: its model, its layout and batch, its hardware (the h100 preset, or
+another cluster of H100s given with `--cluster`, with what the source states about its machines);
+nothing is searched or fitted. The error of a row is
 |predicted / published - 1|; the last line sums them up for scripts: `published runs: N, mean error X%,
 worst Y%`.
 """
@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 
 from paralm.errors import UserError
+from paralm.hardware import GPU_PEAK_FLOPS
 from paralm.plan.cluster import Cluster, parse_cluster
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.published import RUNS, PublishedRun
@@ -73,7 +74,7 @@ def workload(run: PublishedRun) -> Workload:
 
 
 # Every published run ran on H100s: a cluster prices them only if its device is one (dense bf16 peak).
-H100_BF16_PEAK = 989e12
+H100_BF16_PEAK = GPU_PEAK_FLOPS["H100"]["bf16"]
 
 
 def base_cluster(spec: str) -> Cluster:
