@@ -39,7 +39,7 @@ from paralm.models.registry import model_spec
 from paralm.models.sampling import generate
 from paralm.runs import load_trained_model
 from paralm.runs.quantized import WEIGHTS_FILE, parts
-from paralm.train.checkpoint import latest_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int8-dynamic-int4-weight")
 

@@ -108,7 +108,7 @@ def _init_from(folder: str, zero: int) -> tuple[float, float]:
     from paralm.models.registry import model_spec
     from paralm.parallel.parallelize import parallelize
     from paralm.parallel.runtime import init_runtime
-    from paralm.train.init_from import load_init
+    from paralm.train.checkpoint.init_from import load_init
 
     config = load_config(None, [f"--checkpoint.init_from={folder}", f"--parallel.zero={zero}"], init_model=True)
     runtime = init_runtime(config.parallel, config.sync)

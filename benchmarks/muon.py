@@ -48,7 +48,7 @@ from torch import nn
 from paralm.config.schema import Config
 from paralm.config.source import read_toml
 from paralm.models.registry import model_spec
-from paralm.train.muon import Muon, muon_matrices
+from paralm.train.optim.muon import Muon, muon_matrices
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/llama-tiny.toml"

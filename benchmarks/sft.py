@@ -54,7 +54,7 @@ from paralm.data.sampler import sample_windows
 from paralm.data.shards import IGNORE, TokenDataset
 from paralm.hf.adapters import export_adapters
 from paralm.hf.export import export_run
-from paralm.train.optim import learning_rate
+from paralm.train.optim.schedule import learning_rate
 from paralm.train.validation import validation_loss
 
 ROOT = Path(__file__).resolve().parents[1]

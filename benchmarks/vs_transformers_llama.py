@@ -50,7 +50,7 @@ from paralm.models.loss import cross_entropy_loss
 from paralm.models.registry import model_shape, model_spec
 from paralm.parallel.precision import autocast
 from paralm.train.metrics import Throughput, peak_memory_bytes
-from paralm.train.optim import build_optimizer
+from paralm.train.optim.build import build_optimizer
 
 SIDES = ("paralm llama", "transformers llama", "paralm gpt2")
 # |paralm - transformers| allowed at step 0: fp32 differs only in summation order; bf16 rounds every

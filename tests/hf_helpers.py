@@ -18,8 +18,8 @@ from paralm.config.load import load_config
 from paralm.generate import generate_from_run
 from paralm.runs import load_trained_model
 from paralm.sync.base import SyncStrategy, TrainingState
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
-from paralm.train.optim import build_optimizer
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
+from paralm.train.optim.build import build_optimizer
 from tests.helpers import read_metrics
 
 LOGIT_TOLERANCE = 1e-4  # see the module docstring

@@ -147,7 +147,7 @@ EXTERNAL = {
     "sweep_concurrency.py": "a local Ray per sweep (minutes on 2 cores); `paralm sweep` is tested in tests/sweep",
     "power_clock.py": "a CUDA GPU and NVML: it reads the GPU's power draw, clocks and throttle reasons",
     "fault_tolerance.py": "a dozen training jobs and a kill (minutes on 2 cores); the same paths are tested in "
-    "tests/parallel/test_fault_tolerant.py",
+    "tests/sync/test_fault_tolerant.py",
 }
 
 

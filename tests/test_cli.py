@@ -15,7 +15,7 @@ from paralm.cli import main
 from paralm.data.sampler import sample_windows
 from paralm.data.shards import TokenDataset
 from paralm.runs import load_trained_model
-from paralm.train.integrity import write_manifest
+from paralm.train.checkpoint.integrity import write_manifest
 from paralm.train.validation import EVAL_SEED_OFFSET
 
 ROOT = Path(__file__).resolve().parents[1]

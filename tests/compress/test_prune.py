@@ -22,8 +22,8 @@ from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.param_server.run import refuse_pruned
 from paralm.runs import load_trained_model
-from paralm.train.checkpoint import latest_checkpoint
-from paralm.train.masked_state import saved_masks
+from paralm.train.checkpoint.masked import saved_masks
+from paralm.train.checkpoint.store import latest_checkpoint
 from tests.helpers import tiny_config, widened
 from tests.multiprocess import run_ranks
 

@@ -27,7 +27,7 @@ from paralm.evaluate import evaluate_run
 from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.runs import load_trained_model
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
 from tests.helpers import tiny_config
 
 TRAINED_ERROR = 0.005

@@ -24,7 +24,7 @@ from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.runs import load_trained_model
 from paralm.runs.quantized import WEIGHTS_FILE
-from paralm.train.checkpoint import latest_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint
 from tests.helpers import tiny_config, widened
 
 ERROR = {"int8-weight": 0.025, "int8-dynamic": 0.03, "int8-dynamic-int4-weight": 0.45}

@@ -18,7 +18,7 @@ from paralm.job import train
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.runs import load_trained_model
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config, widened
 from tests.multiprocess import run_ranks

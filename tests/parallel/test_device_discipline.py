@@ -170,7 +170,7 @@ def _train(config):
 
     with (
         Discipline().active() as discipline,
-        mock.patch("paralm.train.checkpointer.Checkpointer.save", lambda self, *a, **k: _collect_state(*a, **k)),
+        mock.patch("paralm.train.checkpoint.saver.Checkpointer.save", lambda self, *a, **k: _collect_state(*a, **k)),
         mock.patch("paralm.param_server.shard.save_checkpoint", _collect_state),
     ):
         train(config)

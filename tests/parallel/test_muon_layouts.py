@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from paralm.config.schema import Config
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train import muon
+from paralm.train.optim import muon
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for, tiny_config
 from tests.multiprocess import run_ranks

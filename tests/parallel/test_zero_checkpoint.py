@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from paralm.job import train
-from paralm.train.checkpoint import checkpoint_dir
+from paralm.train.checkpoint.store import checkpoint_dir
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

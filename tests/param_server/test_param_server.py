@@ -24,7 +24,7 @@ from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.comm_stats import SUMMARY_FILE
 from paralm.param_server.protocol import shard_bounds
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -1,5 +1,5 @@
 """Resuming with a parameter server: each server loads its state onto its own device, and a checkpoint
-keeps its global batch across modes and worker counts, as the trainer keeps it (`paralm.train.resume_batch`).
+keeps its global batch across modes and worker counts, as the trainer keeps it (`paralm.train.checkpoint.resume_batch`).
 
 Tolerance: plain SGD without clipping, as the trust contract runs it; a worker, a DDP rank and one
 process accumulate the same halved micro-batch gradients in other rounding orders: 1e-5 on the loss.
@@ -16,7 +16,7 @@ from paralm.job import train
 from paralm.parallel.runtime import select_device
 from paralm.param_server import shard as shard_module
 from paralm.param_server.protocol import Tag, recv_object, send_object, server_device
-from paralm.train.checkpoint import latest_checkpoint, read_trainer_state
+from paralm.train.checkpoint.store import latest_checkpoint, read_trainer_state
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

@@ -11,7 +11,7 @@ from paralm.plan.layout import Workload
 from paralm.plan.muon import muon_gather_bytes, muon_seconds
 from paralm.plan.muon_counts import muon_params, newton_schulz_flops, optimizer_slots
 from paralm.plan.timing import step_time
-from paralm.train.muon import muon_matrices
+from paralm.train.optim.muon import muon_matrices
 from tests.plan.helpers import layout
 
 CONFIGS = [
@@ -36,7 +36,7 @@ def test_newton_schulz_flops_follow_the_iteration():
     """steps x (X X^T + A^2 + (bA + cA^2) X), counted by torch's FLOP counter on one iteration."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from paralm.train.muon import orthogonalise
+    from paralm.train.optim.muon import orthogonalise
 
     for rows, cols in ((16, 48), (48, 16), (32, 32)):
         with FlopCounterMode(display=False) as counter:

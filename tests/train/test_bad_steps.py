@@ -11,7 +11,7 @@ from paralm.config.schema import ParallelConfig, SyncConfig
 from paralm.errors import UserError
 from paralm.job import train
 from paralm.parallel.runtime import init_runtime
-from paralm.train.checkpoint import latest_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint
 from paralm.train.engine import StepEngine
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks

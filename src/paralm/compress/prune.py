@@ -29,8 +29,8 @@ from paralm.runs import load_trained_model
 from paralm.runs.quantized import refuse_quantized
 from paralm.runs.write import atomic_folder, fresh_optimizer_state
 from paralm.sync.base import SyncStrategy, TrainingState
-from paralm.train.checkpoint import save_checkpoint, trainer_state
-from paralm.train.masked_state import MaskedState
+from paralm.train.checkpoint.masked import MaskedState
+from paralm.train.checkpoint.store import save_checkpoint, trainer_state
 
 METHODS = ("magnitude", "structured")
 

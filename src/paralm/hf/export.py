@@ -36,7 +36,7 @@ from paralm.runs import load_trained_model
 from paralm.runs.quantized import refuse_quantized
 from paralm.runs.write import atomic_folder, fresh_optimizer_state
 from paralm.sync.base import SyncStrategy, TrainingState
-from paralm.train.checkpoint import save_checkpoint, trainer_state
+from paralm.train.checkpoint.store import save_checkpoint, trainer_state
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 

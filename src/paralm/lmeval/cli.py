@@ -42,7 +42,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     """`paralm eval --tasks`: print each task's metrics; `--out` gets lm-eval's results JSON (with
     --every-checkpoint, a list of them by step, and a plot beside it)."""
     from paralm.lmeval.run import TaskRequest, evaluate_tasks, summary, task_manager, write_json
-    from paralm.train.checkpoint import checkpoint_step, complete_checkpoints
+    from paralm.train.checkpoint.store import checkpoint_step, complete_checkpoints
 
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks:

@@ -2,7 +2,7 @@
 
 Synchronous: an update is the global batch, divided over the workers as all-reduce data parallelism
 divides it over its ranks (`train.global_batch_size`, when set, decides the accumulation), and a
-resumed run keeps its checkpoint's global batch as the trainer does (`paralm.train.resume_batch`),
+resumed run keeps its checkpoint's global batch as the trainer does (`paralm.train.checkpoint.resume_batch`),
 whichever mode wrote the checkpoint. Asynchronous: an update is one worker's own batch,
 `train.grad_accum` x `train.micro_batch_size`.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from paralm.config.degrees import resolve_grad_accum
 from paralm.config.schema import Config
 from paralm.data.sampler import BatchLayout
-from paralm.train.resume_batch import keep_global_batch
+from paralm.train.checkpoint.resume_batch import keep_global_batch
 
 
 def update_layout(config: Config, workers: int, saved: object) -> tuple[BatchLayout, str | None]:

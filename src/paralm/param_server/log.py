@@ -19,7 +19,7 @@ from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import HEADER_BYTES, Endpoint, Kind, server_device
 from paralm.param_server.shard import ServerShard
 from paralm.train.metrics import Throughput, banner, open_run_log, peak_memory_bytes, step_row
-from paralm.train.optim import learning_rate
+from paralm.train.optim.schedule import learning_rate
 
 
 class ServerLog:

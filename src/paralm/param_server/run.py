@@ -12,9 +12,9 @@ from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import LEAD
 from paralm.param_server.server import Server
 from paralm.param_server.worker import Worker
-from paralm.train.checkpoint import checkpoint_to_resume
+from paralm.train.checkpoint.masked import saved_masks
+from paralm.train.checkpoint.store import checkpoint_to_resume
 from paralm.train.engine import StepEngine
-from paralm.train.masked_state import saved_masks
 
 
 def run_parameter_server(config: Config, runtime: Runtime) -> None:

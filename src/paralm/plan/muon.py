@@ -1,4 +1,4 @@
-"""What `train.optimizer = "muon"` costs a layout (`paralm.train.muon`): state, gathers, Newton-Schulz.
+"""What `train.optimizer = "muon"` costs a layout (`paralm.train.optim.muon`): state, gathers, Newton-Schulz.
 
 - optimizer state: Muon keeps one fp32 momentum buffer per matrix element, AdamW two moments: the
   optimizer slots per parameter are 2 - f, f the blocks' matrices' share of the parameters;

@@ -14,7 +14,7 @@ import torch
 from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.registry import model_spec
-from paralm.train.optim import build_optimizer
+from paralm.train.optim.build import build_optimizer
 
 
 @contextmanager

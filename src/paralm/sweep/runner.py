@@ -21,7 +21,7 @@ from typing import Any
 
 from ray import tune
 
-from paralm.train.checkpoint import latest_checkpoint, read_trainer_state
+from paralm.train.checkpoint.store import latest_checkpoint, read_trainer_state
 from paralm.train.metrics import METRICS_FILE, truncate_metrics
 
 LOG_FILE = "train.log"

@@ -29,9 +29,9 @@ from paralm.parallel.precision import LossScaler
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.step import Batches
 from paralm.sync.choose import build_sync
-from paralm.train.checkpoint import checkpoint_to_resume, load_checkpoint
-from paralm.train.init_from import init_source, load_init
-from paralm.train.masked_state import MaskedState, saved_masks
+from paralm.train.checkpoint.init_from import init_source, load_init
+from paralm.train.checkpoint.masked import MaskedState, saved_masks
+from paralm.train.checkpoint.store import checkpoint_to_resume, load_checkpoint
 from paralm.train.validation import validation_loss
 
 

@@ -9,7 +9,7 @@ stage 2 also the gradients, stage 3 also the parameters:
     fp32, Adam (4 + 4, K = 8: no separate master copy):
                             ZeRO-0 16Ψ,  ZeRO-1 8Ψ + 8Ψ/N,   ZeRO-2 4Ψ + 12Ψ/N,  ZeRO-3 16Ψ/N
     SGD (no momentum): K = 0 in fp32, K = 4 (the master copy) in mixed precision.
-    Muon (`paralm.train.muon`): one fp32 momentum buffer on its matrices (a share f of Ψ), AdamW's
+    Muon (`paralm.train.optim.muon`): one fp32 momentum buffer on its matrices (a share f of Ψ), AdamW's
     two moments on the rest: K = 4(2 - f) in fp32, 4 + 4(2 - f) in mixed precision.
 
 What is counted (unique tensors, a DTensor by its local shard):
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from paralm.config.schema import Config
 from paralm.config.zero import is_sharded, per_rank
 from paralm.models.registry import model_spec
-from paralm.train.muon import muon_matrices
+from paralm.train.optim.muon import muon_matrices
 
 MiB = 2**20
 

@@ -17,12 +17,13 @@ from paralm.hardware import startup_notes
 from paralm.observe.run import RunObserver
 from paralm.parallel.runtime import Runtime
 from paralm.train.bad_steps import BadSteps
+from paralm.train.checkpoint.loop import LoopCheckpoints
 from paralm.train.engine import StepEngine
 from paralm.train.interrupt import StopSignals, signal_name
-from paralm.train.loop_checkpoints import LoopCheckpoints
 from paralm.train.memory import ModelStateMeter, describe_measured, predict
 from paralm.train.metrics import banner, open_run_log
-from paralm.train.optim import build_configured, learning_rate, optimizer_notes, set_learning_rate
+from paralm.train.optim.build import build_configured, optimizer_notes
+from paralm.train.optim.schedule import learning_rate, set_learning_rate
 from paralm.train.step_metrics import StepMetrics
 
 

@@ -1,4 +1,4 @@
-"""Muon (`paralm.train.muon`): torch's math on plain matrices, which parameters it steps, its config errors.
+"""Muon (`paralm.train.optim.muon`): torch's math on plain matrices, which parameters it steps, its config errors.
 
 Layout parity (DDP, ZeRO-1/3, TP against one process) is in `tests/parallel/test_muon_layouts.py`.
 """
@@ -12,7 +12,7 @@ from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.moe import GroupedExperts
 from paralm.models.registry import model_spec
-from paralm.train.muon import Muon, build_muon, describe_split, muon_matrices, orthogonalise
+from paralm.train.optim.muon import Muon, build_muon, describe_split, muon_matrices, orthogonalise
 from tests.helpers import tiny_config
 
 STEPS = 4

@@ -3,7 +3,7 @@
 import pytest
 
 from paralm.job import train
-from paralm.train.checkpoint import latest_checkpoint, read_trainer_state
+from paralm.train.checkpoint.store import latest_checkpoint, read_trainer_state
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 

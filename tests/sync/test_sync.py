@@ -6,8 +6,8 @@ import torch
 from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime
 from paralm.sync.base import SyncStrategy
-from paralm.train.checkpoint import load_checkpoint, save_checkpoint, trainer_state
-from paralm.train.optim import build_optimizer
+from paralm.train.checkpoint.store import load_checkpoint, save_checkpoint, trainer_state
+from paralm.train.optim.build import build_optimizer
 from tests.helpers import tiny_config
 
 

@@ -6,7 +6,7 @@ an unpickler that checks each global's module and name against an allow-list *be
 anything up (nothing is imported: every allowed module is already loaded), and non-tensor entries
 through `torch.load(weights_only=True)`, torch's own allow-list unpickler, which also checks names
 before importing. (The optimizer's hyperparameters, `optim.param_groups.*`, are such entries in every
-checkpoint; a resume does not read them at all: they come from the config, `paralm.train.checkpoint`.)
+checkpoint; a resume does not read them at all: they come from the config, `paralm.train.checkpoint.store`.)
 DCP also opens whatever file an entry's storage path names, so a path out of the checkpoint's folder
 (`../x`, absolute, or through a symbolic link) is refused when the metadata is read.
 

@@ -3,11 +3,11 @@ or generating with another `model.family` is one line naming both, before any te
 
 import pytest
 
-import paralm.train.checkpoint as checkpoint_module
+import paralm.train.checkpoint.store as checkpoint_module
 from paralm.cli import main
 from paralm.errors import UserError
 from paralm.job import train
-from paralm.train.checkpoint import checkpoint_model_config, latest_checkpoint
+from paralm.train.checkpoint.store import checkpoint_model_config, latest_checkpoint
 from tests.helpers import tiny_config
 
 LLAMA = {"family": "llama", "n_kv_heads": 1}

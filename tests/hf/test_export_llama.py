@@ -1,6 +1,6 @@
 """`paralm export` of a Llama run gives a transformers `LlamaForCausalLM` that computes what paralm's model
 computes, from a checkpoint of any layout; `paralm import` brings it back, and brings in the relatives that
-compute the same function (Mistral; its sliding window is `tests/test_families.py`'s), refusing the others
+compute the same function (Mistral; its sliding window is `tests/models/test_families.py`'s), refusing the others
 in one line.
 
 The checks and their tolerance (logits within 1e-4, imports bit-identical) are the GPT-2 tests' own,

@@ -1,7 +1,7 @@
 """A run resumed on another layout keeps the checkpoint's global batch, or says that it changes."""
 
 from paralm.data.sampler import BatchLayout
-from paralm.train.resume_batch import keep_global_batch
+from paralm.train.checkpoint.resume_batch import keep_global_batch
 
 
 def test_two_ranks_resumed_on_one_process_accumulate_twice_as_many_micro_batches():

@@ -19,7 +19,7 @@ import torch
 from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks

@@ -1,8 +1,8 @@
 """Checkpoints written in the background are complete, verified and resume exactly."""
 
 from paralm.job import train
-from paralm.train.checkpoint import latest_checkpoint
-from paralm.train.integrity import damage
+from paralm.train.checkpoint.integrity import damage
+from paralm.train.checkpoint.store import latest_checkpoint
 from tests.helpers import read_metrics, tiny_config
 
 

@@ -1,8 +1,7 @@
-"""Optimizer with weight-decay groups, and the learning-rate schedule."""
+"""The optimizer a run trains with: AdamW or SGD with weight-decay groups, or Muon (`paralm.train.optim.muon`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from paralm.config.schema import Config, TrainConfig
 from paralm.models.registry import model_spec
 from paralm.train.memory import ZeroPrediction, describe_prediction
-from paralm.train.muon import build_muon, describe_split
+from paralm.train.optim.muon import build_muon, describe_split
 
 
 def build_optimizer(
@@ -48,7 +47,7 @@ def build_configured(model: nn.Module, config: Config) -> torch.optim.Optimizer:
 
 def optimizer_notes(optimizer: torch.optim.Optimizer, config: Config, prediction: ZeroPrediction) -> list[str]:
     """The optimizer's start-up lines: the model state predicted for it (`paralm.train.memory`), and for Muon
-    how many tensors it steps and how many AdamW (`paralm.train.muon.describe_split`)."""
+    how many tensors it steps and how many AdamW (`paralm.train.optim.muon.describe_split`)."""
     t = config.train
     lines = [describe_prediction(prediction, config.precision.dtype, t.optimizer)]
     return lines + ([describe_split(optimizer)] if t.optimizer == "muon" else [])
@@ -72,22 +71,3 @@ def _adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
     (1 thread); elsewhere PyTorch's default (foreach where supported). Fused, the step also takes the
     skip flag of a bad step on the device (`paralm.sync.base.step_unless`): the host reads nothing."""
     return {"fused": True} if params and all(p.device.type in ("cpu", "cuda") for p in params) else {}
-
-
-def learning_rate(step: int, train: TrainConfig) -> float:
-    """Linear warm-up to `lr`, cosine decay to `min_lr` at `decay_steps`, then `min_lr`.
-
-    The decay length is its own field, not `steps`, so stopping at step 5 and resuming up to step 10
-    follows exactly the schedule of a run that went to step 10 at once.
-    """
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if step >= train.decay_steps:
-        return train.min_lr
-    progress = (step - train.warmup_steps) / max(train.decay_steps - train.warmup_steps, 1)
-    return train.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (train.lr - train.min_lr)
-
-
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr

@@ -31,7 +31,7 @@ from paralm.convert.lora import is_adapter
 from paralm.errors import UserError
 from paralm.models.hf_folder import CONFIG_FILE, HFFolder, is_hf_folder, load_tensors, read_folder
 from paralm.models.registry import hf_spec, model_spec
-from paralm.train.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
+from paralm.train.checkpoint.store import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
 
 
 def init_source(config: Config, resume_from: Path | None) -> str | None:

@@ -2,7 +2,7 @@
 
 Beside the parallel plan's state (model, optimizer, strategy) a checkpoint records the step, the data
 position, the loss scale and the global batch; a run resumed on another layout keeps that global
-batch where it can (`paralm.train.resume_batch`).
+batch where it can (`paralm.train.checkpoint.resume_batch`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 
 from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime
-from paralm.train.checkpoint import trainer_state
-from paralm.train.checkpointer import Checkpointer
+from paralm.train.checkpoint.resume_batch import keep_global_batch
+from paralm.train.checkpoint.saver import Checkpointer
+from paralm.train.checkpoint.store import trainer_state
 from paralm.train.engine import StepEngine
 from paralm.train.metrics import MetricsLogger
-from paralm.train.resume_batch import keep_global_batch
 
 
 class LoopCheckpoints:

@@ -8,7 +8,7 @@ from paralm.config.schema import Config
 from paralm.config.source import parse_overrides
 from paralm.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_overrides_are_typed_and_applied_over_the_file():

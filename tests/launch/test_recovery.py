@@ -24,7 +24,7 @@ ARGS = [
     "--log.tensorboard=false",
 ]
 STEPS = 12
-# Kill trials per test run; `PARALM_KILL_TRIALS=10 pytest -s -k killed tests/parallel/test_recovery.py` for more.
+# Kill trials per test run; `PARALM_KILL_TRIALS=10 pytest -s -k killed tests/launch/test_recovery.py` for more.
 KILL_TRIALS = int(os.environ.get("PARALM_KILL_TRIALS", "1"))
 
 

@@ -15,7 +15,7 @@ from paralm.job import train
 from paralm.models.gpt2 import GPT
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.sync.base import SyncStrategy, TrainingState
-from paralm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks

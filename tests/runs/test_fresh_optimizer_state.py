@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from paralm.models.registry import model_spec
 from paralm.runs.write import fresh_optimizer_state
-from paralm.train.optim import build_optimizer
+from paralm.train.optim.build import build_optimizer
 from tests.helpers import tiny_config
 
 

@@ -1,7 +1,7 @@
 """Starting from the checkpoints users have (issue 40): sharded safetensors both ways, Llama 3.1 (llama3
 RoPE scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, explicit head width), Mistral with a sliding
 window and Qwen3-MoE exact against transformers' own classes, `checkpoint.init_from`, and the bad inputs
-refused in one line (the window's and Qwen3-MoE's own checks: `tests/test_families.py`).
+refused in one line (the window's and Qwen3-MoE's own checks: `tests/models/test_families.py`).
 
 Shapes are odd on purpose: grouped-query attention, an untied head, a head width (16) that is not
 d_model / n_head (48 / 4), an intermediate size (100) off Llama's multiple-of-256 rule, and weights moved far

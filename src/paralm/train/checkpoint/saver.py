@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from paralm.config.schema import Config
 from paralm.parallel.runtime import Runtime
-from paralm.train.checkpoint import finish_checkpoint, partial_and_final, save_checkpoint
+from paralm.train.checkpoint.store import finish_checkpoint, partial_and_final, save_checkpoint
 
 
 class Checkpointer:

@@ -3,7 +3,7 @@
 Layout: `<run.dir>/checkpoints/step_NNNNNN/` holds DCP's shard files and `.metadata`, plus
 `trainer_state.json` (step, data position) and `config.toml` (the config that wrote it). Every rank
 writes its shards into `step_NNNNNN.partial/`; when all have finished, rank 0 adds the JSON and
-writes `manifest.json` (size and SHA-256 of every file, `paralm.train.integrity`) last and renames
+writes `manifest.json` (size and SHA-256 of every file, `paralm.train.checkpoint.integrity`) last and renames
 the folder, so a crash mid-write never leaves a folder that looks complete, and a checkpoint damaged
 later (truncated, bit-flipped, half-copied) is detected before anything is read from it.
 
@@ -12,7 +12,7 @@ unsharded parameter names: a checkpoint written by one layout (DDP, FSDP, 4 rank
 another (1 process). What is saved comes from a `Stateful` the parallel plan composes (model,
 optimizer, the sync strategy's own state), so this module never needs to know the strategy. A resume
 takes the optimizer's state from the checkpoint and its hyperparameters from the config, whatever the
-layout. Loading unpickles nothing outside an allow-list (`paralm.train.checkpoint_reader`).
+layout. Loading unpickles nothing outside an allow-list (`paralm.train.checkpoint.reader`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from paralm.config.source import read_toml
 from paralm.errors import UserError
 from paralm.parallel.runtime import Runtime
 from paralm.sync.base import TrainingState
-from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
-from paralm.train.integrity import MANIFEST_FILE, damage, write_manifest
+from paralm.train.checkpoint.integrity import MANIFEST_FILE, damage, write_manifest
+from paralm.train.checkpoint.reader import SafeFileSystemReader, SafeLoadPlanner
 
 STATE_FILE = "trainer_state.json"
 _PREFIX = "step_"

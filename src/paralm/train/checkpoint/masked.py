@@ -7,7 +7,7 @@ from typing import Any
 
 from paralm.convert.masks import MASKS, Masks
 from paralm.sync.base import TrainingState
-from paralm.train.checkpoint import saved_entries
+from paralm.train.checkpoint.store import saved_entries
 
 
 class MaskedState(TrainingState):

@@ -1,4 +1,4 @@
-"""Mistral's sliding window and Qwen3-MoE beyond the both-ways exactness of `tests/test_pretrained.py`
+"""Mistral's sliding window and Qwen3-MoE beyond the both-ways exactness of `tests/hf/test_pretrained.py`
 (whose odd shapes and far-from-init weights these reuse): the window and the top-k renormalisation change
 the logits (so that exactness is not vacuous), the window holds with a KV cache and with packed documents,
 and what paralm does not compute exactly is refused in one line naming the field.
@@ -15,8 +15,8 @@ from paralm.models.config import ModelConfig
 from paralm.models.kv_cache import KVCache
 from paralm.models.llama import Llama
 from paralm.models.llama_spec import SPEC
+from tests.hf.test_pretrained import ARCHITECTURES, ODD, QWEN3_MOE
 from tests.hf_helpers import LOGIT_TOLERANCE
-from tests.test_pretrained import ARCHITECTURES, ODD, QWEN3_MOE
 
 transformers = pytest.importorskip("transformers")
 QWEN3_MOE_CLASSES = ARCHITECTURES["qwen3_moe"][:2]

@@ -2,7 +2,7 @@
 any layout; `paralm import` brings a transformers GPT-2 back as a run that fine-tunes.
 
 The checks every family's export and import pass, and their tolerance (logits within 1e-4, imports
-bit-identical), are in `tests/hf_helpers.py`; Llama's are in `tests/test_export_llama.py`.
+bit-identical), are in `tests/hf_helpers.py`; Llama's are in `tests/hf/test_export_llama.py`.
 """
 
 import json

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from paralm.errors import UserError
 from paralm.job import train
-from paralm.train.checkpoint import latest_checkpoint, resolve_checkpoint
-from paralm.train.checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
-from paralm.train.integrity import write_manifest
+from paralm.train.checkpoint.integrity import write_manifest
+from paralm.train.checkpoint.reader import SafeFileSystemReader, SafeLoadPlanner
+from paralm.train.checkpoint.store import latest_checkpoint, resolve_checkpoint
 from tests.helpers import read_metrics, tiny_config
 
 
@@ -147,7 +147,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_refused_by_name(good_run
 
 
 def test_pruning_keeps_the_highest_steps_past_a_million(tmp_path):
-    from paralm.train.checkpoint import _prune
+    from paralm.train.checkpoint.store import _prune
 
     root = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000):
