@@ -31,8 +31,7 @@ from torch import nn
 
 from paralm.data.shards import read_meta
 from paralm.data.tokenizer import ByteTokenizer, load_tokenizer
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape, model_spec
+from paralm.models.registry import model_config, model_shape, model_spec
 from paralm.models.sampling import generate
 from paralm.runs import load_trained_model
 
@@ -55,7 +54,7 @@ def built(family: str, args: argparse.Namespace) -> Subject:
     fields = dict(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, block_size=args.block)
     if family == "llama":
         fields["n_kv_heads"] = args.n_kv_heads
-    config = ModelConfig(family=family, vocab_size=256, dropout=0.0, **fields)
+    config = model_config(family=family, vocab_size=256, dropout=0.0, **fields)
     torch.manual_seed(args.seed)
     model = model_spec(config).build(config).eval()
     prompt = torch.tensor([ByteTokenizer().encode(args.prompt)] * args.batch)

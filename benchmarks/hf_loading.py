@@ -44,10 +44,9 @@ def generate(folder: Path, mb: float, shards: int) -> int:
     import torch
 
     from paralm.hf.shards import write_weights
-    from paralm.models.config import ModelConfig
-    from paralm.models.registry import model_spec
+    from paralm.models.registry import model_config, model_spec
 
-    config = ModelConfig(**model_fields(mb))
+    config = model_config(**model_fields(mb))
     spec = model_spec(config)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in spec.build(config).state_dict().items()}

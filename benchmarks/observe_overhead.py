@@ -37,13 +37,13 @@ class NullObserver(RunObserver):
     def attach(self, runtime: Any, module: object) -> None:
         pass
 
-    def step_started(self, step: int) -> None:
+    def started(self, step: int) -> None:
         pass
 
-    def forward_begins(self, batches: Any) -> Any:
-        return batches
+    def batches(self, batch: Any) -> Any:
+        return batch
 
-    def step_ended(self, step: int) -> dict[str, float]:
+    def ended(self, step: int, skipped: Any) -> dict[str, float]:
         return {"own_slowest": 0.0, "own_neg_fastest": 0.0}
 
 

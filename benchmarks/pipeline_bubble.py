@@ -69,6 +69,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
     from paralm.config.schema import Config
     from paralm.errors import UserError
     from paralm.models.registry import model_spec
+    from paralm.models.step import StepBatch
     from paralm.parallel.pipeline import build_pipeline
     from paralm.parallel.runtime import init_runtime, shutdown
 
@@ -118,7 +119,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
                 busy[0] = 0.0
                 dist.barrier()
                 started = time.perf_counter()
-                pipe.forward_backward([(x, x)], scale=lambda loss: loss)
+                pipe.forward_backward(StepBatch([(x, x)]), scale=lambda loss: loss)
                 elapsed = time.perf_counter() - started
                 for param in pipe.parameters():
                     param.grad = None

@@ -82,14 +82,13 @@ def main() -> None:
 def _whole_bytes(model: dict) -> int:
     """fp32 bytes of every parameter of the whole model (a tied weight once)."""
     try:
-        from paralm.models.config import ModelConfig
-        from paralm.models.registry import model_shape
+        from paralm.models.registry import model_config, model_shape
     except ImportError:  # a checkout from before model families: the model was paralm.model.GPT
         from paralm.model import GPT, GPTConfig
 
         with torch.device("meta"):
             return 4 * sum(p.numel() for p in GPT(GPTConfig(**model)).parameters())
-    return 4 * model_shape(ModelConfig(**model)).params
+    return 4 * model_shape(model_config(**model)).params
 
 
 if __name__ == "__main__":

@@ -67,10 +67,10 @@ def worker(tp: int, batch: int) -> None:
     import torch
 
     from paralm.config.schema import Config
-    from paralm.models.config import ModelConfig
     from paralm.models.gpt2 import GPT
     from paralm.models.gpt2_spec import SPEC
     from paralm.models.loss import cross_entropy_loss
+    from paralm.models.registry import model_config
     from paralm.parallel.runtime import init_runtime, shutdown
     from paralm.parallel.tensor import apply_tensor_parallel, local_value, loss_context
 
@@ -81,7 +81,7 @@ def worker(tp: int, batch: int) -> None:
         counts = {}
         for layers in (2, 4):
             torch.manual_seed(0)
-            model = GPT(ModelConfig(n_layer=layers, **SHAPE))
+            model = GPT(model_config(n_layer=layers, **SHAPE))
             full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             apply_tensor_parallel(model, SPEC, runtime.mesh["tp"], sp)
             local_bytes = sum(local_value(p).numel() * p.element_size() for p in model.parameters())

@@ -47,7 +47,7 @@ from paralm.data.shards import TokenDataset
 from paralm.hardware import device_peak_flops
 from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
-from paralm.models.registry import model_shape, model_spec
+from paralm.models.registry import model_config, model_shape, model_spec
 from paralm.parallel.precision import autocast
 from paralm.train.metrics import Throughput, peak_memory_bytes
 from paralm.train.optim.build import build_optimizer
@@ -98,7 +98,7 @@ def run(side: str, dtype: str, threads: int, args: argparse.Namespace) -> dict[s
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one model as `spec` says and return its step times, losses, peak RSS and FLOP counts."""
     cpu = torch.device("cpu")
-    config = ModelConfig(**spec["model"])
+    config = model_config(**spec["model"])
     shape = model_shape(config)
     torch.manual_seed(spec["seed"])  # paralm's models initialise from the global seed
     model = model_spec(config).build(config)

@@ -25,7 +25,7 @@ from pathlib import Path
 from common import print_table, train_metrics
 
 from paralm.models import registry
-from paralm.models.config import ModelConfig
+from paralm.models.registry import model_config
 from paralm.train.memory import MiB, StateBytes, ZeroPrediction
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def _run(shape: dict[str, int], extra: list[str], steps: int, nproc: int) -> dic
 
 
 def memory_table(shape: dict[str, int], steps: int, all_ranks: list[int], stages: list[int]) -> None:
-    num_params = registry.model_shape(ModelConfig(**shape)).params
+    num_params = registry.model_shape(model_config(**shape)).params
     rows = []
     for ranks in all_ranks:
         for stage in (0,) if ranks == 1 else stages:

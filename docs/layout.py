@@ -41,8 +41,9 @@ and fails on a circle, a two-way pair of units, or a core unit that imports a wi
 
 A model family is a model file and a spec file under `models/`, and a line in `models/registry.py`
 ([Model families](models.md#a-family-is-a-module-and-a-spec)); the strategies ask the spec, never a submodule.
-A converter (`convert/registry.py`) owns how its parameters are swapped in, sharded and initialised; an
-after-step hook registers on the step instead of becoming a line in the loop.
+A converter (`convert/registry.py`) owns how its parameters are swapped in, sharded and initialised. Work
+around a step (the observer, the byte counter, a converter's after-step work) is a step hook
+(`models/step.py`: `started`, `batches`, `ended`) on the one list the trainer runs, not a line in the loop.
 """
 
 

@@ -21,6 +21,8 @@ from paralm.config.reference import REGENERATE, _trailing_comments, config_refer
 from paralm.config.schema import Config
 from paralm.config.source import parse_overrides
 from paralm.errors import UserError
+from paralm.models.config import flat_fields
+from paralm.models.registry import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -32,13 +34,20 @@ README_LIMIT = 16_000
 NO_OVERRIDES = {"export", "verify", "data", "quantize", "prune"}
 
 
-def _sections() -> dict[str, type]:
+def _sections() -> dict[str, list[str]]:
+    """Each section's field names; `[model]`'s of every family."""
     hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+    families = [flat_fields(spec.options) for spec in FAMILIES.values()]
+    return {
+        f.name: list(dict.fromkeys(k for fields in families for k in fields))
+        if f.name == "model"
+        else [field.name for field in dataclasses.fields(hints[f.name])]
+        for f in dataclasses.fields(Config)
+    }
 
 
 def _all_fields() -> list[tuple[str, str]]:
-    return [(name, f.name) for name, cls in _sections().items() for f in dataclasses.fields(cls)]
+    return [(section, name) for section, names in _sections().items() for name in names]
 
 
 # ---------------------------------------------------------------------------------------------- config.md
@@ -171,7 +180,7 @@ def _check_overrides(overrides: list[str], where: str) -> dict[str, dict[str, st
     sections = _sections()
     for section, values in parsed.items():
         assert section in sections, f"{where}: no config section [{section}]"
-        names = {f.name for f in dataclasses.fields(sections[section])}
+        names = set(sections[section])
         for name in values:
             assert name in names, f"{where}: --{section}.{name} names no config field"
     return parsed

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paralm.errors import (
     USER_ERROR_EXIT_CODE,
@@ -20,6 +21,9 @@ from paralm.errors import (
     refuse_overrides,
     to_launcher,
 )
+
+if TYPE_CHECKING:
+    from paralm.models.config import FlatField
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -200,17 +204,35 @@ def check_ranges(args: argparse.Namespace) -> None:
 def config_fields_help() -> str:
     """Every config field as `--section.field=DEFAULT  help`, grouped by section: what `train --help` ends with."""
     from paralm.config.schema import Config
+    from paralm.models.config import ModelConfig, flat_fields
+    from paralm.models.registry import FAMILIES, nested_settings, own_fields
 
     lines = ["config fields (set in the TOML file or as --section.field=value):"]
     for section in dataclasses.fields(Config):
         lines.append(f"  [{section.name}]")
-        for f in dataclasses.fields(section.default_factory):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            choices = f.metadata.get("choices")
-            note = f" ({', '.join(map(str, choices))})" if choices else ""
-            flag = f"--{section.name}.{f.name}={default}"
-            lines.append(f"    {flag:<38} {f.metadata.get('help', '')}{note}")
+        if section.name != "model":
+            lines += _fields_help(section.name, flat_fields(section.default_factory))
+            continue
+        lines += _fields_help("model", flat_fields(ModelConfig))
+        nested = nested_settings()
+        for family in FAMILIES:
+            nests = "".join(f", and the {name}_* fields" for name, (_, has) in nested.items() if family in has)
+            lines.append(f"  [model] of family = {family}{nests}")
+            lines += _fields_help("model", {k: f for k, f in own_fields(family).items() if len(f.path) == 1})
+        for name, (cls, families) in nested.items():
+            lines.append(f"  [model] {name}_* ({', '.join(families)})")
+            lines += _fields_help("model", {f"{name}_{k}": f for k, f in flat_fields(cls).items()})
     return "\n".join(lines)
+
+
+def _fields_help(section: str, fields: dict[str, FlatField]) -> list[str]:
+    lines = []
+    for name, f in fields.items():
+        choices = f.declared.metadata.get("choices")
+        note = f" ({', '.join(map(str, choices))})" if choices else ""
+        flag = f"--{section}.{name}={f.default}"
+        lines.append(f"    {flag:<38} {f.declared.metadata.get('help', '')}{note}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

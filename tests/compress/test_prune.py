@@ -27,7 +27,7 @@ from paralm.train.checkpoint.store import latest_checkpoint
 from tests.helpers import tiny_config, widened
 from tests.multiprocess import run_ranks
 
-LLAMA = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 64, "bias": False}
+LLAMA = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 64}
 
 
 def _model(**model):

@@ -32,7 +32,7 @@ from tests.helpers import tiny_config
 
 TRAINED_ERROR = 0.005
 INT4 = "int8-dynamic-int4-weight"
-LLAMA = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 128, "bias": False}
+LLAMA = {"family": "llama", "n_head": 4, "n_kv_heads": 2, "ffn_hidden": 128}
 
 
 @pytest.mark.slow

@@ -78,9 +78,9 @@ def test_the_stacked_layout_of_transformers_module_imports_too():
     """Weights as `MixtralForCausalLM.state_dict()` holds them (experts stacked, as paralm's) map as well."""
     import torch
 
-    from paralm.models.config import ModelConfig
     from paralm.models.llama import Llama
     from paralm.models.llama_spec import SPEC
+    from paralm.models.registry import model_config
 
     torch.manual_seed(0)
     hf_config = transformers.MixtralConfig(
@@ -90,7 +90,7 @@ def test_the_stacked_layout_of_transformers_module_imports_too():
     theirs = transformers.MixtralForCausalLM(hf_config).eval()
     assert any(k.endswith("experts.gate_up_proj") for k in theirs.state_dict())
     fields = SPEC.hf.config_from_hf(hf_config.to_dict(), "config.json")
-    config = ModelConfig(**fields)
+    config = model_config(**fields)
     ours = Llama(config).eval()
     ours.load_state_dict(SPEC.hf.from_hf(theirs.state_dict(), config, "model.safetensors"))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))

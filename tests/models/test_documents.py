@@ -4,9 +4,8 @@
 import pytest
 import torch
 
-from paralm.models.config import ModelConfig
 from paralm.models.documents import document_mask, document_positions
-from paralm.models.registry import model_spec
+from paralm.models.registry import model_config, model_spec
 from tests.helpers import widened
 
 # fp32, the same sums in another order (a masked row holds zeros where the lone run has nothing): a few ulps
@@ -26,7 +25,7 @@ def test_positions_and_mask_restart_at_each_document():
     [("gpt2", {}), ("llama", {"n_kv_heads": 2, "tie_embeddings": False})],
 )
 def test_a_packed_sequence_gives_each_document_its_own_logits(family, fields):
-    config = ModelConfig(
+    config = model_config(
         family=family, n_layer=2, n_head=4, d_model=32, block_size=24, vocab_size=64, dropout=0.0, **fields
     )
     torch.manual_seed(0)

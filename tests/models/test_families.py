@@ -11,10 +11,11 @@ import torch
 
 from paralm.config.load import load_config
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
+from paralm.models.config import ModelConfig, to_flat
 from paralm.models.kv_cache import KVCache
 from paralm.models.llama import Llama
 from paralm.models.llama_spec import SPEC
+from paralm.models.registry import model_config
 from tests.hf.test_pretrained import ARCHITECTURES, ODD, QWEN3_MOE
 from tests.hf_helpers import LOGIT_TOLERANCE
 
@@ -31,7 +32,7 @@ def _far_from_init(name: str, **fields) -> tuple[transformers.PreTrainedModel, M
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    config = ModelConfig(**SPEC.hf.config_from_hf(theirs.config.to_dict(), "config.json"))
+    config = model_config(**SPEC.hf.config_from_hf(theirs.config.to_dict(), "config.json"))
     ours = Llama(config).eval()
     ours.load_state_dict(SPEC.hf.from_hf(theirs.state_dict(), config, "model.safetensors"))
     return theirs, config, ours
@@ -39,7 +40,7 @@ def _far_from_init(name: str, **fields) -> tuple[transformers.PreTrainedModel, M
 
 def _without(model: Llama, **fields) -> Llama:
     """`model`'s weights under other options."""
-    other = Llama(ModelConfig(**(vars(model.config) | fields))).eval()
+    other = Llama(model_config(**(to_flat(model.config) | fields))).eval()
     other.load_state_dict(model.state_dict())
     return other
 
@@ -61,7 +62,7 @@ def test_the_window_masks_and_holds_with_a_kv_cache():
 
 def test_the_window_composes_with_packed_documents():
     """A document packed after another gives the logits it gives alone: both masks hold."""
-    config = ModelConfig(family="llama", n_head=4, n_kv_heads=2, d_model=32, block_size=32, sliding_window=5)
+    config = model_config(family="llama", n_head=4, n_kv_heads=2, d_model=32, block_size=32, sliding_window=5)
     model = Llama(config).eval()
     x = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3))
     documents = (torch.arange(32) >= 12).long()[None]
@@ -76,7 +77,7 @@ def test_qwen3_moe_with_norm_topk_prob_is_exact_and_the_renormalisation_matters(
     `moe_norm_topk` the logits move."""
     fields = QWEN3_MOE | dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
     theirs, config, ours = _far_from_init("qwen3_moe", **fields)
-    assert (config.moe_norm_topk, config.moe_every, config.moe_first_dense, config.moe_hidden) == (True, 1, 1, 40)
+    assert (config.moe.norm_topk, config.moe.every, config.moe.first_dense, config.moe_hidden) == (True, 1, 1, 40)
     with torch.no_grad():
         expected = theirs(X).logits
         assert (expected - ours(X)).abs().max().item() <= LOGIT_TOLERANCE
@@ -117,10 +118,10 @@ WINDOWED = ["--model.family=llama", "--model.d_model=32", "--model.n_head=4", "-
     [
         (["--parallel.cp=2"], "parallel.cp = 2 does not compose with model.sliding_window"),
         (["--model.sliding_window=-1"], "model.sliding_window = -1"),
-        (["--model.family=gpt2"], "model.sliding_window = 8: GPT-2 has none"),
+        (["--model.family=gpt2"], "model.sliding_window: the gpt2 family has no such field"),
         (
             ["--model.family=deepseek", "--model.kv_lora_rank=16", "--model.qk_rope_head_dim=8"],
-            "sliding_window are Llama's",
+            "model.sliding_window: the deepseek family has no such field",
         ),
     ],
     ids=["context-parallel", "negative", "gpt2", "deepseek"],
@@ -132,7 +133,7 @@ def test_windows_paralm_does_not_compute_are_refused_in_one_line(overrides, frag
 
 
 def test_a_window_exports_only_as_a_mistral():
-    config = ModelConfig(family="llama", n_head=4, d_model=32, sliding_window=8)
+    config = model_config(family="llama", n_head=4, d_model=32, sliding_window=8)
     assert SPEC.hf.config_to_hf(config)["architectures"] == ["MistralForCausalLM"]
     with pytest.raises(UserError, match="exports only as a Mistral"):
-        SPEC.hf.config_to_hf(ModelConfig(**(vars(config) | {"qk_norm": True})))
+        SPEC.hf.config_to_hf(model_config(**(to_flat(config) | {"qk_norm": True})))

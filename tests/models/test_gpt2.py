@@ -4,10 +4,10 @@ import torch
 from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT
 from paralm.models.gpt2_spec import SPEC
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from paralm.models.sampling import generate
 
-CONFIG = ModelConfig(n_layer=2, n_head=4, d_model=32, block_size=16, vocab_size=64)
+CONFIG = model_config(n_layer=2, n_head=4, d_model=32, block_size=16, vocab_size=64)
 
 
 def gpt(config: ModelConfig = CONFIG) -> GPT:
@@ -61,12 +61,12 @@ def test_a_stage_built_alone_initialises_as_the_whole_model():
 
 
 def test_no_bias_model_has_no_biases():
-    model = gpt(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32, bias=False))
+    model = gpt(model_config(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32, bias=False))
     assert not any(name.endswith("bias") for name, _ in model.named_parameters())
 
 
 def test_gpt2_initialisation_scales_residual_projections():
-    model = gpt(ModelConfig(n_layer=8, n_head=4, d_model=256, block_size=8, vocab_size=512))
+    model = gpt(model_config(n_layer=8, n_head=4, d_model=256, block_size=8, vocab_size=512))
     residual = model.blocks["0"].attn.wo.weight.std().item()
     other = model.blocks["0"].attn.wq.weight.std().item()
     assert other == pytest.approx(0.02, rel=0.05)

@@ -11,17 +11,16 @@ factor 8 for other seeds and CPUs while any real error (a wrong position, a miss
 import pytest
 import torch
 
-from paralm.models.config import ModelConfig
 from paralm.models.kv_cache import KVCache
-from paralm.models.registry import model_spec
+from paralm.models.registry import model_config, model_spec
 from paralm.models.sampling import generate
 from tests.helpers import widened
 
 CACHE_TOLERANCE = 1e-5  # see the module docstring
 
 FAMILIES = {
-    "gpt2": ModelConfig(n_layer=2, n_head=4, d_model=32, block_size=24, vocab_size=64),
-    "llama-gqa": ModelConfig(
+    "gpt2": model_config(n_layer=2, n_head=4, d_model=32, block_size=24, vocab_size=64),
+    "llama-gqa": model_config(
         family="llama", n_layer=2, n_head=4, n_kv_heads=2, d_model=32, ffn_hidden=64, block_size=24, vocab_size=64
     ),
 }

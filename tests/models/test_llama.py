@@ -18,7 +18,7 @@ from paralm.errors import UserError
 from paralm.models.config import ModelConfig
 from paralm.models.llama import Llama
 from paralm.models.llama_spec import SPEC
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from tests.helpers import widened
 
 LOGIT_TOLERANCE = 1e-4  # see the module docstring
@@ -35,7 +35,7 @@ SHAPES = {
 
 def llama_config(**fields) -> ModelConfig:
     base = dict(family="llama", n_layer=2, n_head=4, n_kv_heads=2, d_model=32, block_size=32, vocab_size=96)
-    return ModelConfig(**(base | fields))
+    return model_config(**(base | fields))
 
 
 def llama(config: ModelConfig, wide: bool = False) -> Llama:
@@ -106,7 +106,7 @@ def test_a_transformers_llama_config_maps_back_to_the_same_fields():
     transformers = pytest.importorskip("transformers")
     config = llama_config(n_kv_heads=1, ffn_hidden=80, rope_theta=500000.0, norm_eps=1e-6, tie_embeddings=True)
     hf = transformers.LlamaConfig(**SPEC.hf.config_to_hf(config)).to_dict()
-    assert ModelConfig(**SPEC.hf.config_from_hf(hf, "test")) == config
+    assert model_config(**SPEC.hf.config_from_hf(hf, "test")) == config
 
 
 def relative(name: str, **fields) -> dict:
@@ -141,21 +141,21 @@ def relative(name: str, **fields) -> dict:
 )
 def test_relatives_that_compute_the_same_function_map(name, fields):
     mapped = SPEC.hf.config_from_hf(relative(name, **fields), "test")
-    assert ModelConfig(**mapped) == llama_config(ffn_hidden=80, norm_eps=1e-6)
+    assert model_config(**mapped) == llama_config(ffn_hidden=80, norm_eps=1e-6)
 
 
 def test_qwen2_qwen3_and_llama3_scaling_map_to_the_llama_options():
     """Qwen2's q/k/v always have biases; Qwen3 normalises q and k per head (here 12 wide, not 32 / 4);
     Llama 3.1's RoPE scaling keeps its four numbers."""
     assert SPEC.hf.config_from_hf(relative("qwen2"), "test")["attention_bias"] is True
-    qwen3 = ModelConfig(**SPEC.hf.config_from_hf(relative("qwen3", head_dim=12), "test"))
+    qwen3 = model_config(**SPEC.hf.config_from_hf(relative("qwen3", head_dim=12), "test"))
     assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.head_dim) == (True, False, 12)
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
     rope |= dict(original_max_position_embeddings=8, rope_theta=500000.0)
-    llama31 = ModelConfig(**SPEC.hf.config_from_hf(relative("llama", rope_parameters=rope), "test"))
+    llama31 = model_config(**SPEC.hf.config_from_hf(relative("llama", rope_parameters=rope), "test"))
     assert (llama31.rope_scaling, llama31.rope_factor, llama31.rope_original_context) == ("llama3", 8.0, 8)
     for config in (qwen3, llama31):
-        assert ModelConfig(**SPEC.hf.config_from_hf(SPEC.hf.config_to_hf(config), "test")) == config
+        assert model_config(**SPEC.hf.config_from_hf(SPEC.hf.config_to_hf(config), "test")) == config
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import MoE, balance_figures, moe_layers, pop_auxiliary_loss, take_statistics, update_balance
 from paralm.models.moe_config import check_moe
-from paralm.models.registry import model_shape, model_spec
+from paralm.models.registry import model_config, model_shape, model_spec
 
 
 def _layer(gated: bool, **moe: object) -> MoE:
     torch.manual_seed(0)
-    config = ModelConfig(d_model=16, moe_experts=4, moe_top_k=2, **moe)
+    config = model_config(d_model=16, moe_experts=4, moe_top_k=2, **moe)
     layer = MoE(config, hidden=24, gated=gated)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -32,7 +31,7 @@ def _reference(layer: MoE, x: torch.Tensor, keep: torch.Tensor | None = None) ->
     out = torch.zeros_like(x)
     for t, token in enumerate(x):
         scores = layer.gate(token).softmax(-1)
-        top = scores.topk(layer.config.moe_top_k).indices
+        top = scores.topk(layer.options.top_k).indices
         weights = scores[top] / scores[top].sum()
         for j, (expert, weight) in enumerate(zip(top.tolist(), weights, strict=True)):
             if keep is not None and not keep[t, j]:
@@ -76,7 +75,7 @@ def test_capacity_drops_overflow_in_token_order_and_counts_it() -> None:
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("every,shared", [(1, False), (2, True)])
 def test_closed_form_counts_match_the_built_model(family: str, every: int, shared: bool) -> None:
-    config = ModelConfig(
+    config = model_config(
         family=family, n_layer=3, n_head=4, d_model=32, moe_experts=4, moe_top_k=2, moe_every=every,
         moe_shared_expert=shared,
     )  # fmt: skip
@@ -108,13 +107,13 @@ def test_auxiliary_loss_does_not_depend_on_how_the_batch_is_split() -> None:
 
 def test_moe_settings_that_cannot_run_are_one_line_errors() -> None:
     with pytest.raises(UserError, match="moe_top_k"):
-        check_moe(ModelConfig(moe_experts=4, moe_top_k=5))
+        check_moe(model_config(moe_experts=4, moe_top_k=5))
     with pytest.raises(UserError, match="moe_score"):
-        check_moe(ModelConfig(moe_experts=4, moe_score="relu"))
+        check_moe(model_config(moe_experts=4, moe_score="relu"))
     with pytest.raises(UserError, match="moe_groups"):  # groups of one expert have no top-2 to rank them by
-        check_moe(ModelConfig(moe_experts=4, moe_groups=4))
+        check_moe(model_config(moe_experts=4, moe_groups=4))
     with pytest.raises(UserError, match="moe_topk_groups"):  # one group of 2 cannot hold top-3
-        check_moe(ModelConfig(moe_experts=4, moe_top_k=3, moe_groups=2, moe_topk_groups=1))
+        check_moe(model_config(moe_experts=4, moe_top_k=3, moe_groups=2, moe_topk_groups=1))
 
 
 BALANCE_STEPS = 50  # the figure docs/strategies.md states
@@ -125,7 +124,7 @@ def test_loss_free_balancer_evens_out_a_router_biased_to_one_expert() -> None:
     token to expert 0 (max/mean load about 2, the most top-2 allows); DeepSeek-V3's bias balancing (update
     rate 0.04, no auxiliary loss) brings max/mean to at most 1.3 within `BALANCE_STEPS` steps."""
     torch.manual_seed(0)
-    config = ModelConfig(
+    config = model_config(
         n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=256, moe_experts=4, moe_top_k=2,
         moe_aux_loss=0.0, moe_bias_balance=True, moe_bias_rate=0.04,
     )  # fmt: skip

@@ -33,7 +33,7 @@ def one_step(config: Config, runtime: Runtime, watch: Watch | None = None) -> tu
     what it observed of the step as a third item."""
     trainer = Trainer(config, runtime)
     observed = watch(trainer) if watch else None
-    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
+    loss = trainer.engine.forward_backward(trainer.engine.step_batch())
     loss = runtime.all_reduce(loss) / runtime.dims.loss_replicas
     grads = full_gradients(trainer.engine.model)
     return (loss.item(), grads, observed()) if observed else (loss.item(), grads)

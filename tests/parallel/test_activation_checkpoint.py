@@ -33,7 +33,7 @@ def _blocks(trainer: Trainer) -> torch.nn.ModuleDict:
 
 def _loss_and_grads(trainer: Trainer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)  # the dropout masks of this step
-    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
+    loss = trainer.engine.forward_backward(trainer.engine.step_batch())
     plain = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in trainer.engine.model.named_parameters()}
     return loss, {name: p.grad for name, p in plain.items()}
 

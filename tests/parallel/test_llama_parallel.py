@@ -28,7 +28,7 @@ def _layout_then_training(configs):
     """The first config's local shapes of logits and weights, then each config's first step and training."""
     runtime = init_runtime(configs[0].parallel, configs[0].sync)
     trainer = Trainer(configs[0], runtime)
-    logits = trainer.engine.module(trainer.engine.micro_batches()[0][0])
+    logits = trainer.engine.module(trainer.engine.step_batch().micro_batches[0][0])
     model = trainer.engine.model
     layout = {
         "logits": (logits.placements, tuple(logits.to_local().shape)),
@@ -74,10 +74,9 @@ def test_llama_tensor_and_sequence_parallel_shard_grouped_query_heads_and_match_
 
 
 def test_llama_tensor_parallel_plan_covers_every_projection_and_norms_only_with_sequence_parallel():
-    from paralm.models.config import ModelConfig
-    from paralm.models.registry import model_spec
+    from paralm.models.registry import model_config, model_spec
 
-    config = ModelConfig(n_layer=1, d_model=16, block_size=8, vocab_size=32, **LLAMA)
+    config = model_config(n_layer=1, d_model=16, block_size=8, vocab_size=32, **LLAMA)
     spec = model_spec(config)
     model = spec.build(config)
     plain, sequence = spec.tensor_parallel_plan(model, False), spec.tensor_parallel_plan(model, True)

@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from paralm.config.schema import TrainConfig
-from paralm.models.config import ModelConfig
 from paralm.models.gpt2 import GPT
 from paralm.models.moe import moe_layers, pop_auxiliary_loss
+from paralm.models.registry import model_config
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
@@ -92,7 +92,7 @@ def test_moe_layout_matches_one_process(name, tmp_path):
 def test_a_recomputed_moe_block_counts_its_routing_once():
     """With early stopping off, checkpointing replays each block to its end in backward: the MoE layers
     must still count one forward, their first (torch's default early stop may end the replay sooner)."""
-    config = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64, moe_capacity=1.0, **MOE)
+    config = model_config(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64, moe_capacity=1.0, **MOE)
     model = GPT(config)
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.02)

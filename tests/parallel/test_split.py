@@ -3,8 +3,7 @@
 import pytest
 
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from paralm.parallel.split import balanced_split, part_costs, stage_costs, stage_split
 
 
@@ -18,7 +17,8 @@ def _spread(costs):
 
 
 def test_a_dominant_head_moves_layers_off_the_last_stage():
-    model = model_shape(ModelConfig(n_layer=8, d_model=32, n_head=2, block_size=32, vocab_size=4096))  # head ~ 9 blocks
+    # the head is about 9 blocks
+    model = model_shape(model_config(n_layer=8, d_model=32, n_head=2, block_size=32, vocab_size=4096))
     costs = part_costs(model)
     assert costs.head > 4 * costs.block
     split = stage_split(model, 2, [])
@@ -29,7 +29,7 @@ def test_a_dominant_head_moves_layers_off_the_last_stage():
 
 
 def test_the_balanced_split_is_the_best_contiguous_one():
-    model = model_shape(ModelConfig(n_layer=7, d_model=64, n_head=2, block_size=64, vocab_size=2048))
+    model = model_shape(model_config(n_layer=7, d_model=64, n_head=2, block_size=64, vocab_size=2048))
     costs = part_costs(model)
     best = balanced_split(7, 3, costs)
     every = [[a, b, 7 - a - b] for a in range(1, 6) for b in range(1, 7 - a)]
@@ -38,7 +38,7 @@ def test_the_balanced_split_is_the_best_contiguous_one():
 
 
 def test_costs_follow_the_flop_count_of_the_model():
-    model = model_shape(ModelConfig(n_layer=3, d_model=48, n_head=4, block_size=16, vocab_size=96))
+    model = model_shape(model_config(n_layer=3, d_model=48, n_head=4, block_size=16, vocab_size=96))
     costs = part_costs(model)
     flops = model.flops_per_token  # 6N + 12·L·h·s, N without the position table
     blocks_and_head = model.n_layer * costs.block + costs.head
@@ -47,7 +47,7 @@ def test_costs_follow_the_flop_count_of_the_model():
 
 
 def test_an_explicit_split_overrides_and_is_checked():
-    model = model_shape(ModelConfig(n_layer=4))
+    model = model_shape(model_config(n_layer=4))
     split = stage_split(model, 2, [3, 1])
     assert split.layers == (3, 1) and not split.balanced
     assert split.layer_range(1) == range(3, 4)
@@ -57,7 +57,7 @@ def test_an_explicit_split_overrides_and_is_checked():
 
 
 def test_the_description_names_layers_parts_ranks_and_shares():
-    text = stage_split(model_shape(ModelConfig(n_layer=4)), 2, []).describe({0: 0, 1: 1})
+    text = stage_split(model_shape(model_config(n_layer=4)), 2, []).describe({0: 0, 1: 1})
     assert "stage 0 (pp rank 0): layers 0-1 + embedding" in text
     assert "stage 1 (pp rank 1): layers 2-3 + head" in text
     assert text.count("% of the estimated cost") == 2

@@ -29,7 +29,7 @@ def _shards_gradients_and_training(configs):
     """How the first config lays out logits and weights, then gradients and training for each config."""
     runtime = init_runtime(configs[0].parallel, configs[0].sync)
     trainer = Trainer(configs[0], runtime)
-    logits = trainer.engine.module(trainer.engine.micro_batches()[0][0])
+    logits = trainer.engine.module(trainer.engine.step_batch().micro_batches[0][0])
     layout = {
         "logits_placements": logits.placements,
         "local_logits": tuple(logits.to_local().shape),
@@ -50,7 +50,7 @@ def _shards_gradients_and_training(configs):
 def _partial_gradients(config, runtime) -> list[str]:
     """Parameters whose gradients are still pending sums after backward: each use would reduce them."""
     trainer = Trainer(config, runtime)
-    trainer.engine.forward_backward(trainer.engine.micro_batches())
+    trainer.engine.forward_backward(trainer.engine.step_batch())
     return [
         name
         for name, param in trainer.engine.model.named_parameters()
@@ -84,11 +84,11 @@ def test_tensor_and_sequence_parallel_match_one_process_with_sharded_logits_and_
 
 
 def test_tensor_parallel_plan_shards_norms_only_with_sequence_parallel():
-    from paralm.models.config import ModelConfig
     from paralm.models.gpt2 import GPT
     from paralm.models.gpt2_spec import tensor_parallel_plan
+    from paralm.models.registry import model_config
 
-    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32))
+    model = GPT(model_config(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32))
     plain, sequence = tensor_parallel_plan(model, False), tensor_parallel_plan(model, True)
     assert "blocks.0.ln_1" not in plain and "wpe" not in plain
     assert {"blocks.0.ln_1", "blocks.0.ln_2", "ln_f", "wpe"} <= set(sequence)

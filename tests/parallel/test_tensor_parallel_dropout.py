@@ -70,14 +70,14 @@ def _masks_then_replicas(configs):
         sdpa = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = _record_attention(kept)  # in this forked rank's own copy of torch
         engine.plan.before_step(config.train.seed, 0)
-        engine.forward_backward(engine.micro_batches())
+        engine.forward_backward(engine.step_batch())
         F.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
         model.zero_grad(set_to_none=True)
         trainer.fit()
         engine.plan.before_step(config.train.seed, config.train.steps)
-        loss = engine.forward_backward(engine.micro_batches()).item()
+        loss = engine.forward_backward(engine.step_batch()).item()
         replicated = {
             n: local_value(p).detach().clone()
             for n, p in model.named_parameters()
@@ -120,7 +120,7 @@ def _gradients_with_and_without_recomputation(configs):
     for config in configs:
         trainer = Trainer(config, runtime_for(config, runtime))
         trainer.engine.plan.before_step(config.train.seed, 0)
-        trainer.engine.forward_backward(trainer.engine.micro_batches())
+        trainer.engine.forward_backward(trainer.engine.step_batch())
         grads.append(
             {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in full_gradients(trainer.engine.model).items()}
         )

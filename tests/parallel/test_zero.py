@@ -149,7 +149,7 @@ def grads_after_unsynced_microstep(configs: list[Config]) -> list[bool]:
     held = []
     for config in configs:
         trainer = Trainer(config, runtime_for(config, runtime))
-        x, y = trainer.engine.micro_batches()[0]
+        x, y = trainer.engine.step_batch().micro_batches[0]
         first_of_two = trainer.engine.plan.runner.sync_every_microstep  # what the step syncs before the last
         with gradient_sync(trainer.engine.plan.module, sync=first_of_two):
             cross_entropy_loss(trainer.engine.plan.module(x), y).backward()

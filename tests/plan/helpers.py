@@ -3,8 +3,7 @@ model, cluster and workload the step-time tests price."""
 
 import dataclasses
 
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.validate import LAYOUT_DEFAULTS
@@ -27,7 +26,7 @@ def layout(**fields) -> Layout:
 
 
 # A 100M-parameter model on 64 H100s: the step-time tests' subject.
-SHAPE = model_shape(ModelConfig(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
+SHAPE = model_shape(model_config(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
 H100 = PRESETS["h100"].with_devices(64)
 NO_LATENCY = dataclasses.replace(H100, intra_latency=0.0, inter_latency=0.0)
 

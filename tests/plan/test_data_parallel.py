@@ -5,8 +5,7 @@ import dataclasses
 
 import pytest
 
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from paralm.plan.data_parallel import powersgd_elements
 from paralm.plan.timing import step_time
 from tests.plan.helpers import H100, NO_LATENCY, SHAPE, batched_layout, small_work
@@ -98,6 +97,6 @@ def test_compression_shrinks_the_gradient_exchange() -> None:
 
 
 def test_powersgd_counts_only_the_matrices_it_shrinks() -> None:
-    tiny = model_shape(ModelConfig(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=16))
+    tiny = model_shape(model_config(n_layer=1, n_head=1, d_model=8, block_size=8, vocab_size=16))
     assert powersgd_elements(tiny, rank=4) == tiny.params  # 8 x 8 at rank 4 would not halve
     assert powersgd_elements(SHAPE, rank=1) < SHAPE.params / 100

@@ -10,7 +10,7 @@ import torch
 
 from paralm.cli import main
 from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape, model_spec
+from paralm.models.registry import model_config, model_shape, model_spec
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
 from paralm.plan.memory import backward_working_set, device_memory, rank_params
@@ -27,7 +27,7 @@ IDEAL = dataclasses.replace(
 
 def llama(**fields) -> ModelConfig:
     base = dict(n_layer=LAYERS, n_head=HEADS, n_kv_heads=KV_HEADS, d_model=D, ffn_hidden=FFN, block_size=SEQ)
-    return ModelConfig(family="llama", vocab_size=VOCAB, **(base | fields))
+    return model_config(family="llama", vocab_size=VOCAB, **(base | fields))
 
 
 def _work(config: ModelConfig, batch: int = 8) -> Workload:

@@ -2,8 +2,7 @@ import dataclasses
 
 import pytest
 
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from paralm.models.shape import ModelShape
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
@@ -57,7 +56,7 @@ def _work(shape: ModelShape, batch: int = 8, dtype: str = "bf16") -> Workload:
     return Workload(shape, batch, dtype, "fp32", 2, False, "paper", 25 * 2**20)
 
 
-SHAPE = model_shape(ModelConfig(n_layer=8, n_head=8, d_model=512, block_size=256, vocab_size=1024))
+SHAPE = model_shape(model_config(n_layer=8, n_head=8, d_model=512, block_size=256, vocab_size=1024))
 
 
 def test_tensor_parallel_shards_add_up_to_the_model() -> None:

@@ -46,7 +46,7 @@ def test_active_and_total_parameters_are_the_built_models():
     moe = config.model
     shape = model_shape(moe)
     assert experts > 0 and shape.params == total
-    assert shape.active_params == total - experts + experts * moe.moe_top_k // moe.moe_experts
+    assert shape.active_params == total - experts + experts * moe.moe.top_k // moe.moe.experts
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])

@@ -4,8 +4,7 @@ import dataclasses
 
 import torch
 
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape, model_spec
+from paralm.models.registry import model_config, model_shape, model_spec
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
 from paralm.plan.muon import muon_gather_bytes, muon_seconds
@@ -15,9 +14,9 @@ from paralm.train.optim.muon import muon_matrices
 from tests.plan.helpers import layout
 
 CONFIGS = [
-    ModelConfig(family="gpt2", n_layer=2, n_head=2, d_model=32, block_size=32),
-    ModelConfig(family="llama", n_layer=2, n_head=4, n_kv_heads=2, d_model=64, block_size=32),
-    ModelConfig(family="llama", n_layer=2, n_head=4, d_model=64, moe_experts=4, moe_top_k=2, moe_shared_expert=True),
+    model_config(family="gpt2", n_layer=2, n_head=2, d_model=32, block_size=32),
+    model_config(family="llama", n_layer=2, n_head=4, n_kv_heads=2, d_model=64, block_size=32),
+    model_config(family="llama", n_layer=2, n_head=4, d_model=64, moe_experts=4, moe_top_k=2, moe_shared_expert=True),
 ]
 H100 = PRESETS["h100"].with_devices(8)
 
@@ -53,7 +52,7 @@ def test_muon_gathers_only_where_matrices_are_split():
 
 
 def test_muon_adds_to_the_optimizer_time_only():
-    shape = model_shape(ModelConfig(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
+    shape = model_shape(model_config(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
     adamw = Workload(shape, 64, "bf16", "fp32", 2, False, "paper", 25 * 2**20)
     muon = dataclasses.replace(adamw, optimizer_slots=optimizer_slots(shape), muon_ns_steps=5)
     for split in (layout(dp_shard=8), layout(dp_shard=8, zero=3)):

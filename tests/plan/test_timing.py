@@ -2,8 +2,7 @@ import dataclasses
 
 import pytest
 
-from paralm.models.config import ModelConfig
-from paralm.models.registry import model_shape
+from paralm.models.registry import model_config, model_shape
 from paralm.plan import kernels
 from paralm.plan.timing import step_time
 from tests.plan.helpers import H100, NO_LATENCY, SHAPE, batched_layout, small_work
@@ -128,7 +127,7 @@ def test_groups_that_span_nodes_use_the_network() -> None:
 def test_tensor_parallelism_leaves_the_whole_matrices_whole() -> None:
     """MLA's low-rank projections (`layer_whole_matrices`) run whole on every TP rank; the rest splits."""
     shape = model_shape(
-        ModelConfig(
+        model_config(
             family="deepseek",
             n_layer=2,
             n_head=4,

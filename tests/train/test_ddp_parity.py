@@ -23,7 +23,7 @@ def _train(config):
 def _gradients(config):
     runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
-    loss = trainer.engine.forward_backward(trainer.engine.micro_batches())
+    loss = trainer.engine.forward_backward(trainer.engine.step_batch())
     grads = {name: p.grad.clone() for name, p in trainer.engine.model.named_parameters()}
     loss = runtime.all_reduce(loss) / runtime.dims.dp
     shutdown(runtime)

@@ -49,15 +49,16 @@ def test_the_loss_is_the_mean_over_the_global_batchs_trained_targets(chat_data, 
     config = _config(tmp_path / "a", chat_data, micro_batch_size=2, grad_accum=2)
     runtime = init_runtime(config.parallel, config.sync)
     trainer = Trainer(config, runtime)
-    batches = trainer.engine.micro_batches()
-    loss = trainer.engine.forward_backward(batches).item()
+    batch = trainer.engine.step_batch()
+    loss = trainer.engine.forward_backward(batch).item()
     with torch.no_grad():
         summed = sum(
-            F.cross_entropy(trainer.engine.model(x).flatten(0, 1), y.flatten(), reduction="sum") for x, y in batches
+            F.cross_entropy(trainer.engine.model(x).flatten(0, 1), y.flatten(), reduction="sum")
+            for x, y in batch.micro_batches
         )
-    trained = sum(int((y != IGNORE).sum()) for _, y in batches)
+    trained = sum(int((y != IGNORE).sum()) for _, y in batch.micro_batches)
     shutdown(runtime)
-    assert batches.trained == trained and 0 < trained < 4 * 32
+    assert batch.trained == trained and 0 < trained < 4 * 32
     assert loss == pytest.approx(summed.item() / trained, rel=1e-6)
 
 

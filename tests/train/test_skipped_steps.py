@@ -196,10 +196,10 @@ def test_batches_reach_a_gpu_from_pinned_memory(monkeypatch, tmp_path):
         layout=BatchLayout(1, 2, 2), dp_rank=0, train_data=data, config=tiny_config(tmp_path), device=None
     )
     engine.device = torch.device("cuda", 0)
-    batches = StepEngine.micro_batches(engine, 0)
+    batch = StepEngine.step_batch(engine, 0)
     assert pinned == [True] * 4 and copies == [True] * 4
-    assert all(x.is_contiguous() and torch.equal(x, tokens[:, :-1]) for x, _ in batches)
+    assert all(x.is_contiguous() and torch.equal(x, tokens[:, :-1]) for x, _ in batch.micro_batches)
     pinned.clear()
     engine.device = torch.device("cpu")
-    StepEngine.micro_batches(engine, 0)
+    StepEngine.step_batch(engine, 0)
     assert pinned == []

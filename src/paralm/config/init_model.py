@@ -11,6 +11,7 @@ from typing import Any
 
 from paralm.config.schema import Config
 from paralm.errors import UserError
+from paralm.models.config import to_flat
 from paralm.models.hf_folder import CONFIG_FILE, is_hf_folder, read_folder
 from paralm.models.registry import hf_spec
 
@@ -26,19 +27,19 @@ def init_model_fields(source: str) -> dict[str, Any]:
     return hf_spec(folder.config.get("model_type"), origin).hf.config_from_hf(folder.config, origin)
 
 
-def with_init_model(raw: dict[str, Any]) -> dict[str, Any]:
-    """The raw `{section: {field: value}}` config with `[model]` completed from `checkpoint.init_from`, or
-    a one-line error for a given field that disagrees with the folder."""
-    source = raw.get("checkpoint", {}).get("init_from", "")
-    fixed = init_model_fields(source)
+def with_init_model(raw: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    """The raw `{section: {field: value}}` config with `[model]` completed from the fields `checkpoint.init_from`'s
+    folder fixes (`init_model_fields`), or a one-line error for a given field that disagrees with the folder."""
     if not fixed:
         return raw
+    source = raw.get("checkpoint", {}).get("init_from", "")
     given = raw.get("model", {})
-    typed = Config.from_dict({"model": given}, source="[model]").model  # command-line values arrive as text
-    for name, value in fixed.items():
-        if name in given and name not in FREE and getattr(typed, name) != value:
+    # command-line values arrive as text; typed as the folder's family unless the config names another
+    typed = to_flat(Config.from_dict({"model": {"family": fixed["family"]} | given}, source="[model]").model)
+    for name, value in sorted(fixed.items(), key=lambda item: item[0] != "family"):  # another family first
+        if name in given and name not in FREE and typed[name] != value:
             raise UserError(
-                f"model.{name} = {getattr(typed, name)!r} but {source}/{CONFIG_FILE} says {value!r}: leave "
+                f"model.{name} = {typed[name]!r} but {source}/{CONFIG_FILE} says {value!r}: leave "
                 f"model.{name} out (checkpoint.init_from fixes the model)"
             )
     return raw | {"model": fixed | given}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from paralm.config.schema import Config
 from paralm.errors import UserError
+from paralm.models.moe_config import moe_options
 from paralm.models.registry import model_spec
 
 
@@ -33,7 +34,7 @@ def check_lora(config: Config) -> None:
         # its servers step whole tensors they hold; a frozen base would still be shipped and stepped
         'sync.mode = "parameter_server"': config.sync.mode == "parameter_server",
         # experts are weight tensors, not linear layers an adapter wraps (`paralm.convert.layers`)
-        "model.moe_experts > 0": config.model.moe_experts > 0,
+        "model.moe_experts > 0": moe_options(config.model) is not None,
         # tensor parallelism composes (adapters split as their base); with sequence parallelism the adapted runs
         # drift from one process by ~7e-3 after a step, cause not found yet
         "parallel.sequence_parallel": p.tp > 1 and p.sequence_parallel,

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from paralm.config.schema import Config
 from paralm.errors import UserError
+from paralm.models.moe_config import moe_options
 
 
 def check_moe_layout(config: Config) -> None:
     """One-line errors for MoE models and expert parallelism under strategies they do not compose with
     (the config alone decides these)."""
-    p, m = config.parallel, config.model
+    p, moe = config.parallel, moe_options(config.model)
     if p.ep < 1:
         raise UserError(f"parallel.ep = {p.ep} must be at least 1")
-    if p.ep > 1 and m.moe_experts == 0:
+    if p.ep > 1 and moe is None:
         raise UserError("parallel.ep > 1 needs experts: set model.moe_experts (or parallel.ep = 1)")
-    if m.moe_experts == 0:
+    if moe is None:
         return
-    if m.moe_experts % p.ep:
-        raise UserError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}")
+    if moe.experts % p.ep:
+        raise UserError(f"model.moe_experts = {moe.experts} is not divisible by parallel.ep = {p.ep}")
     refused = {
         "parallel.cp > 1": p.cp > 1,
         "sync.fault_tolerant": config.sync.fault_tolerant,

@@ -2,7 +2,9 @@
 
 Every section of `Config` is one table: each field's name, type, default and description. The description
 is the field's `help` (its `option(...)` or `field(metadata=...)`), with its allowed values where it has
-them; a field declared without one takes its trailing `# comment` in the source, else stays blank.
+them; a field declared without one takes its trailing `# comment` in the source, else stays blank. `[model]`
+is the common fields' table, then each family's own fields (its options dataclass) under its name, then
+each settings dataclass the families nest (MoE's `moe_*`) once.
 
 Regenerate with `python -m paralm.config.reference > docs/config.md` (`tests/test_docs.py` checks it).
 """
@@ -20,6 +22,8 @@ import typing
 from typing import Any
 
 from paralm.config.schema import Config
+from paralm.models.config import FlatField, ModelConfig, flat_fields
+from paralm.models.registry import FAMILIES, nested_settings, own_fields
 
 REGENERATE = "python -m paralm.config.reference > docs/config.md"
 
@@ -45,25 +49,69 @@ def config_reference() -> str:
         "| section | fields |",
         "|---|---|",
     ]
-    lines += [f"| [`[{name}]`](#{name}) | {len(dataclasses.fields(cls))} |" for name, cls in sections]
+    lines += [f"| [`[{name}]`](#{name}) | {_count(name, cls)} |" for name, cls in sections]
     for name, cls in sections:
-        lines += ["", f"## `[{name}]`", "", f"`[{name}]`: `{cls.__module__}.{cls.__qualname__}`."]
-        doc = inspect.getdoc(cls)
-        if doc and not doc.startswith(f"{cls.__name__}("):  # dataclasses invent a signature for a bare class
-            lines += ["", " ".join(doc.split())]
-        lines += ["", "| field | type | default | description |", "|---|---|---|---|"]
-        hints = typing.get_type_hints(cls)
-        comments = _trailing_comments(cls)
-        for f in dataclasses.fields(cls):
-            description = _description(f, comments.get(f.name, ""))
-            kind, default = _cell(_type_name(hints[f.name])), _toml(_default(f))
-            lines.append(f"| `{f.name}` | `{kind}` | `{default}` | {_cell(description)} |")
+        lines += ["", f"## `[{name}]`", ""]
+        if cls is ModelConfig:
+            lines += _model_tables()
+        else:
+            lines += [f"`[{name}]`: `{_qualified(cls)}`.", *_table(cls, flat_fields(cls))]
     return "\n".join(lines) + "\n"
 
 
 def _sections() -> list[tuple[str, type]]:
     hints = typing.get_type_hints(Config)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(Config)]
+
+
+def _count(name: str, cls: type) -> str:
+    if cls is not ModelConfig:
+        return str(len(dataclasses.fields(cls)))
+    families = ", ".join(f"{family} {len(own_fields(family))}" for family in FAMILIES)
+    return f"{len(dataclasses.fields(cls))} common, then the family's: {families}"
+
+
+def _model_tables() -> list[str]:
+    """The common fields, each family's own (a nested settings dataclass named, not listed), then each nested
+    settings dataclass once, with the families that have it."""
+    lines = [
+        "`[model]`: the options dataclass of the family `model.family` names (its `ModelSpec.options`): the common",
+        f"fields (`{_qualified(ModelConfig)}`), then the family's own below; a key the family does not declare is",
+        "refused in one line naming the families that have it.",
+        *_table(ModelConfig, flat_fields(ModelConfig)),
+    ]
+    nested = nested_settings()
+    for family, spec in FAMILIES.items():
+        own = own_fields(family)
+        lines += ["", f'### `family = "{family}"`', "", f"`{_qualified(spec.options)}`."]
+        lines += _table(spec.options, {key: f for key, f in own.items() if len(f.path) == 1})
+        lines += [f"\nAnd the `{name}_*` fields (below)." for name, (_, has) in nested.items() if family in has]
+    for name, (cls, families) in nested.items():
+        lines += ["", f"### `{name}_*`", "", f"`{_qualified(cls)}`: the `{name}` of {_and(families)}'s options."]
+        lines += _table(cls, {f"{name}_{key}": f for key, f in flat_fields(cls).items()})
+    return lines
+
+
+def _and(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _table(cls: type, fields: dict[str, FlatField]) -> list[str]:
+    """`cls`'s docstring and a table of `fields` (TOML key: field of `cls` or of a dataclass above it)."""
+    lines = []
+    doc = inspect.getdoc(cls)
+    if doc and not doc.startswith(f"{cls.__name__}("):  # dataclasses invent a signature for a bare class
+        lines += ["", " ".join(doc.split())]
+    lines += ["", "| field | type | default | description |", "|---|---|---|---|"]
+    comments = _trailing_comments(cls)
+    for key, f in fields.items():
+        description = _description(f.declared, comments.get(f.declared.name, ""))
+        lines.append(f"| `{key}` | `{_cell(_type_name(f.kind))}` | `{_toml(f.default)}` | {_cell(description)} |")
+    return lines
 
 
 def _description(f: dataclasses.Field, comment: str) -> str:

@@ -197,7 +197,7 @@ def check_context_parallel(config: Config) -> None:
         "parallel.pp": p.pp > 1,
         "parallel.zero = 1": p.zero == 1,
         "data.document_mask (its attention masks are not split across ranks)": config.data.document_mask,
-        "model.sliding_window (its attention mask is not split across ranks)": m.sliding_window > 0,
+        "model.sliding_window (its attention mask is not split across ranks)": model_shape(m).attention_window > 0,
     }.items():
         if on:
             raise UserError(f"parallel.cp = {p.cp} does not compose with {name}: set parallel.cp = 1 or turn it off")

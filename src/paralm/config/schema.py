@@ -1,9 +1,10 @@
 """Typed configuration: the sections and their fields.
 
-Every field is declared once, here, with its type, default and a one-line help (the config reference in
-`docs/config.md` is generated from them). A TOML file and the command line (`paralm.config.source` parses
-both) go through `Config.from_dict`, so a wrong field name or type gives the same readable error wherever
-it came from; the rules across fields are `paralm.config.rules`'.
+Every field is declared once, with its type, default and a one-line help (the config reference in
+`docs/config.md` is generated from them): here, but for `[model]`'s, which each family's options dataclass
+declares (`ModelSpec.options`; `model.family` picks it). A TOML file and the command line
+(`paralm.config.source` parses both) go through `Config.from_dict`, so a wrong field name or type gives the
+same readable error wherever it came from; the rules across fields are `paralm.config.rules`'.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 from paralm.config.dtypes import DTYPES
 from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
+from paralm.models.config import ModelConfig, flat_fields, from_flat, to_flat
+from paralm.models.registry import family_spec, inert_dropped, model_config, undeclared
 
 CONFIG_FILE = "config.toml"  # the resolved config, in a run directory and in each checkpoint
 REPLICA_GROUP_DIR = "group-{}"  # `paralm train --replicas`: replica group g's run folder, inside the run's
@@ -234,7 +236,7 @@ class LogConfig:
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=model_config)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -254,21 +256,61 @@ class Config:
                 raise UserError(f"{source}: unknown section [{name}]{_suggest(name, sections)}")
             if not isinstance(values, dict):
                 raise UserError(f"{source}: [{name}] must be a table of fields")
-            section_cls = typing.get_type_hints(cls)[name]
-            built[name] = _build_section(section_cls, name, values, source)
+            if name == "model":
+                built[name] = _build_model(values, source)
+            else:
+                built[name] = _build_section(typing.get_type_hints(cls)[name], name, values, source)
         return cls(**built)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """`{section: {field: value}}`, `[model]` flat as TOML has it (`moe_experts`)."""
+        return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_toml(self) -> str:
-        """The resolved config as TOML, every field written out."""
+        """The resolved config as TOML, every field written out (of `[model]`, the family's)."""
         lines = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
+
+
+def file_sections(raw: dict[str, Any], family: str | None = None) -> dict[str, Any]:
+    """A TOML file's sections as `Config.from_dict` takes them: `[model]` without the keys the family (the
+    file's, or `family` where the command line or `checkpoint.init_from`'s folder sets it) does not declare
+    that hold every declaring family's default (`paralm.models.registry.inert_dropped`). Only a file's keys
+    are forgiven so: the command line's are refused."""
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return raw
+    family = family or model.get("family", ModelConfig.family)
+    if not isinstance(family, str):
+        return raw
+    return raw | {"model": inert_dropped(model, family)}
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    return to_flat(section) if isinstance(section, ModelConfig) else dataclasses.asdict(section)
+
+
+def _build_model(values: dict[str, Any], source: str) -> ModelConfig:
+    """The options of the family `values` names (default: gpt2), each field typed; a field the family does not
+    declare is refused in one line naming the families that do."""
+    family = _coerce(values.get("family", ModelConfig.family), str, "model.family", source)
+    fields = flat_fields(family_spec(family).options)
+    typed = {}
+    for key, value in values.items():
+        refusal = undeclared(key, family)
+        if refusal:
+            raise UserError(f"{source}: {refusal}")
+        if refusal == "":
+            raise UserError(
+                f"{source}: unknown field model.{key}{_suggest(key, fields)}; fields of the {family} family's "
+                f"[model]: {', '.join(fields)}"
+            )
+        typed[key] = _coerce(value, fields[key].kind, f"model.{key}", source)
+    return from_flat(family_spec(family).options, typed | {"family": family})
 
 
 def _suggest(name: str, candidates: typing.Iterable[str]) -> str:

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from paralm.convert.layers import canonical
+from paralm.models.step import StepHook
 
 MASKS = "masks"
 
 
-class Masks:
+class Masks(StepHook):
     """Boolean masks for some parameters of a (possibly sharded) model; `True` keeps a weight."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
@@ -31,7 +32,7 @@ class Masks:
         for param, mask in self.pairs.values():
             param.mul_(mask)
 
-    def after_step(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    def ended(self, step: int, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
         """After every optimizer step (an after-step hook): pruned weights stay zero."""
         self.apply()
         return {}

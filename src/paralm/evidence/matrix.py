@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paralm.config.schedules import PIPELINE_SCHEDULES, fewest_stages_per_rank
-from paralm.models.config import ModelConfig
+from paralm.models.config import ModelConfig, to_flat
+from paralm.models.registry import model_config
 
 
 def _toml(value: object) -> str:
@@ -25,14 +26,14 @@ EXACT_TOLERANCE = 1e-5  # fp32 sums in another order: measured ~1e-7 on losses a
 # 4 layers: two chunks per rank on two pipeline stages (looped and V schedules). The Llama has grouped-
 # query attention that tp = 2 shards (2 kv heads) and an untied head.
 MODELS = {
-    "gpt2": ModelConfig(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True),
-    "llama": ModelConfig(
+    "gpt2": model_config(n_layer=4, n_head=2, d_model=32, block_size=32, vocab_size=256, dropout=0.0, bias=True),
+    "llama": model_config(
         family="llama", n_layer=4, n_head=4, n_kv_heads=2, d_model=32, ffn_hidden=64, block_size=32, vocab_size=256
     ),
     # DeepSeek-V3's kind: latent attention, a dense first block, shared + routed experts with sigmoid scores,
     # group-limited top-2 and the loss-free bias. Layouts its rules refuse (cp, the parameter server)
     # are skipped with their one line.
-    "deepseek": ModelConfig(
+    "deepseek": model_config(
         family="deepseek",
         n_layer=4,
         n_head=2,
@@ -99,7 +100,7 @@ class CheckedLayout:
         """`model`'s fields and the common settings, then the layout's; the micro-batch keeps the global
         batch at `GLOBAL_BATCH`."""
         batch = {"train.micro_batch_size": GLOBAL_BATCH // self.dp}
-        model_args = [f"--model.{name}={_toml(value)}" for name, value in vars(model).items()]
+        model_args = [f"--model.{name}={_toml(value)}" for name, value in to_flat(model).items()]
         return [*model_args, *COMMON_ARGS, *(f"--{k}={_toml(v)}" for k, v in (batch | self.settings).items())]
 
     def matches(self, only: list[str]) -> bool:

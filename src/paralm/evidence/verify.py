@@ -33,6 +33,7 @@ from paralm.evidence.matrix import (
 )
 from paralm.evidence.runner import Run, final_weights, max_gap, step_rows, train_run, weight_gap
 from paralm.models.config import ModelConfig
+from paralm.models.moe_config import moe_options
 from paralm.models.registry import model_shape, model_spec
 from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout as PlanLayout
@@ -224,10 +225,10 @@ MOE = {"model.moe_experts": 4, "model.moe_top_k": 2}  # the family's model with 
 def expert_parallel(matrix: Matrix, n: int) -> Verdict:
     """The MoE version of the family's model (the model itself if it has experts), its experts split over 2
     ranks (dropless), against its own one-process run: exact."""
-    m = matrix.model
-    moe = {} if m.moe_experts else MOE
+    own = moe_options(matrix.model)
+    moe = {} if own else MOE
     one = matrix.train(CheckedLayout("moe-one-process", 1, moe))
-    experts, top_k = moe.get("model.moe_experts", m.moe_experts), moe.get("model.moe_top_k", m.moe_top_k)
+    experts, top_k = (own.experts, own.top_k) if own else (MOE["model.moe_experts"], MOE["model.moe_top_k"])
     guarantee = f"MoE ({experts} experts, top-{top_k}, dropless), experts over 2 ranks: equals one process"
     return _within(matrix, CheckedLayout("ep2-moe", 2, moe | {"parallel.ep": 2}), one, EXACT_TOLERANCE, guarantee)
 

@@ -26,7 +26,7 @@ from paralm.data.shards import read_meta
 from paralm.data.tokenizer import BPE_FILE, PretrainedTokenizer, load_tokenizer
 from paralm.errors import UserError
 from paralm.hf.shards import parse_size, write_weights
-from paralm.models.config import ModelConfig
+from paralm.models.config import ModelConfig, to_flat
 from paralm.models.hf_folder import CONFIG_FILE as HF_CONFIG_FILE
 from paralm.models.hf_folder import load_tensors, read_folder
 from paralm.models.registry import hf_spec, model_shape, model_spec
@@ -195,7 +195,8 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
         base = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *overrides])
         data_args, data_note = _data_overrides(hf_path, tmp, out_dir, base.data.val_fraction)
         config = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *data_args, *overrides])
-        changed = [k for k, v in model_fields.items() if k != "dropout" and v != getattr(config.model, k)]
+        resolved = to_flat(config.model)
+        changed = [k for k, v in model_fields.items() if k != "dropout" and v != resolved[k]]
         if changed:
             raise UserError(f"model.{changed[0]} is fixed by the imported model's {HF_CONFIG_FILE}: do not override it")
         state = spec.hf.from_hf(load_tensors(folder), config.model, folder.source)  # the folder's dict is let go

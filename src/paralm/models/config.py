@@ -1,13 +1,24 @@
-"""The `[model]` section: which family, and the shape fields the families read."""
+"""The `[model]` section's common part, and how a family's options meet TOML's flat keys.
+
+`ModelConfig` holds what every family reads; each family subclasses it with the fields it reads (its
+options dataclass, named by its `ModelSpec.options`). A field that is itself a dataclass (a family's
+`moe: MoEConfig`) is written flat with its name as a prefix (`moe_experts`), so `[model]` stays one flat
+table of the keys it always had while the code reads `config.moe.experts`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class ModelConfig:
-    """The model's family and shape; each family's module reads the fields it has."""
+    """What every family reads: which family, and the transformer's size."""
 
     family: str = field(
         default="gpt2", metadata={"help": "model family: gpt2, llama or deepseek (paralm.models.registry)"}
@@ -18,71 +29,59 @@ class ModelConfig:
     block_size: int = field(default=128, metadata={"help": "context length in tokens"})
     vocab_size: int = field(default=256, metadata={"help": "at least the tokenizer's; larger pads it"})
     dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
-    bias: bool = field(default=True, metadata={"help": "gpt2: biases in linear layers and LayerNorms"})
-    n_kv_heads: int = field(
-        default=0, metadata={"help": "llama: key/value heads (grouped-query attention; 0: n_head, 1: multi-query)"}
-    )
-    rope_theta: float = field(default=10000.0, metadata={"help": "llama: rotary embedding base"})
-    norm_eps: float = field(default=1e-5, metadata={"help": "llama: RMSNorm epsilon"})
-    ffn_hidden: int = field(
-        default=0, metadata={"help": "llama: SwiGLU width (0: 2/3 of 4*d_model rounded up to a multiple of 256)"}
-    )
-    head_dim: int = field(default=0, metadata={"help": "llama: width of each attention head (0: d_model / n_head)"})
-    attention_bias: bool = field(default=False, metadata={"help": "llama: biases on q, k and v (Qwen2)"})
-    qk_norm: bool = field(default=False, metadata={"help": "llama: RMSNorm of each query and key head (Qwen3)"})
-    rope_scaling: str = field(
-        default="none", metadata={"help": "llama: RoPE frequency scaling: none, linear or llama3 (Llama 3.1)"}
-    )
-    rope_factor: float = field(default=1.0, metadata={"help": "llama: RoPE scaling factor (linear, llama3)"})
-    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama: llama3 scaling's low_freq_factor"})
-    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama: llama3 scaling's high_freq_factor"})
-    rope_original_context: int = field(
-        default=8192, metadata={"help": "llama: llama3 scaling's original_max_position_embeddings"}
-    )
-    sliding_window: int = field(
-        default=0, metadata={"help": "llama: each token attends to itself and the window - 1 tokens before it (0: off)"}
-    )
-    tie_embeddings: bool = field(
-        default=False, metadata={"help": "llama: the head shares the token embedding (gpt2 always does)"}
-    )
-    moe_experts: int = field(
-        default=0, metadata={"help": "routed experts per MoE feed-forward (0: dense feed-forwards)"}
-    )
-    moe_top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
-    moe_norm_topk: bool = field(
-        default=True, metadata={"help": "renormalise the chosen experts' weights to sum to 1 (top-k > 1, or sigmoid)"}
-    )
-    moe_every: int = field(default=1, metadata={"help": "every k-th block's feed-forward is MoE (1: all of them)"})
-    moe_shared_expert: bool = field(default=False, metadata={"help": "an always-on expert beside the routed ones"})
-    moe_score: str = field(default="softmax", metadata={"help": "router scores: softmax or sigmoid"})
-    moe_aux_loss: float = field(
-        default=0.01, metadata={"help": "coefficient of the load-balancing loss (Switch/GShard, per sequence)"}
-    )
-    moe_bias_balance: bool = field(
-        default=False, metadata={"help": "loss-free balancing: a per-expert routing bias (DeepSeek-V3)"}
-    )
-    moe_bias_rate: float = field(default=1e-3, metadata={"help": "loss-free balancing: bias update per step"})
-    moe_z_loss: float = field(default=0.0, metadata={"help": "coefficient of the router z-loss (ST-MoE)"})
-    moe_first_dense: int = field(default=0, metadata={"help": "the first k blocks keep a dense feed-forward"})
-    moe_hidden: int = field(
-        default=0, metadata={"help": "llama, deepseek: each routed and shared expert's width (0: model.ffn_hidden's)"}
-    )
-    moe_routed_scale: float = field(
-        default=1.0, metadata={"help": "factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor)"}
-    )
-    moe_groups: int = field(default=1, metadata={"help": "expert groups for group-limited routing (DeepSeek-V3)"})
-    moe_topk_groups: int = field(
-        default=1, metadata={"help": "groups each token's experts come from, the best by their top-2 scores"}
-    )
-    q_lora_rank: int = field(default=0, metadata={"help": "deepseek: rank of the query's low-rank path (0: none)"})
-    kv_lora_rank: int = field(default=0, metadata={"help": "deepseek: width of the compressed key/value latent"})
-    qk_nope_head_dim: int = field(
-        default=0, metadata={"help": "deepseek: query/key width per head without RoPE (0: d_model / n_head)"}
-    )
-    qk_rope_head_dim: int = field(
-        default=0, metadata={"help": "deepseek: query/key width per head with RoPE (the key's is shared by heads)"}
-    )
-    v_head_dim: int = field(default=0, metadata={"help": "deepseek: value width per head (0: d_model / n_head)"})
-    moe_capacity: float = field(
-        default=0.0, metadata={"help": "capacity factor: tokens over it are dropped and counted (0: dropless)"}
-    )
+
+
+@dataclass(frozen=True)
+class FlatField:
+    """One `[model]` key of an options class: where it sits (`path`: ("moe", "experts")), its declaration
+    and its type."""
+
+    path: tuple[str, ...]
+    declared: dataclasses.Field
+    kind: Any
+
+    @property
+    def default(self) -> Any:
+        f = self.declared
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+@functools.cache
+def flat_fields(cls: type) -> dict[str, FlatField]:
+    """Every `[model]` key of the options class `cls`, in declaration order (not to be changed: it is cached)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, FlatField] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            inner = flat_fields(hints[f.name]).items()
+            out |= {f"{f.name}_{k}": FlatField((f.name, *v.path), v.declared, v.kind) for k, v in inner}
+        else:
+            out[f.name] = FlatField((f.name,), f, hints[f.name])
+    return out
+
+
+def to_flat(config: Any) -> dict[str, Any]:
+    """The `[model]` keys and values of an options instance."""
+    values = {}
+    for key, flat in flat_fields(type(config)).items():
+        value = config
+        for name in flat.path:
+            value = getattr(value, name)
+        values[key] = value
+    return values
+
+
+def from_flat(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of the options class `cls` from `[model]` keys (each one `cls` declares), the rest default."""
+    hints, fields = typing.get_type_hints(cls), flat_fields(cls)
+    kwargs: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        path = fields[key].path
+        if len(path) == 1:
+            kwargs[key] = value
+        else:
+            nested.setdefault(path[0], {})[key.removeprefix(f"{path[0]}_")] = value
+    for name, inner in nested.items():
+        kwargs[name] = from_flat(hints[name], inner)
+    return cls(**kwargs)

@@ -15,22 +15,39 @@ initialisation): the first `moe_first_dense` blocks keep a SwiGLU feed-forward, 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from paralm.models.config import ModelConfig
 from paralm.models.documents import masked_attend
 from paralm.models.kv_cache import Attend, LayerCache, attend
 from paralm.models.llama import Block as LlamaBlock
-from paralm.models.llama import Llama
+from paralm.models.llama import DecoderConfig, Llama
+from paralm.models.moe_config import MoEConfig
 from paralm.models.rope import inverse_frequencies, rotary_tables, rotate
 
 LATENT_EPS = 1e-6  # DeepSeek-V3's latent norms keep their own epsilon, whatever model.norm_eps says
 
 
-def mla_dims(config: ModelConfig) -> tuple[int, int, int]:
+@dataclass
+class DeepSeekConfig(DecoderConfig):
+    """DeepSeek's options: Llama's decoder settings, multi-head latent attention's ranks and widths, MoE."""
+
+    family: str = "deepseek"
+    q_lora_rank: int = field(default=0, metadata={"help": "rank of the query's low-rank path (0: none)"})
+    kv_lora_rank: int = field(default=0, metadata={"help": "width of the compressed key/value latent"})
+    qk_nope_head_dim: int = field(
+        default=0, metadata={"help": "query/key width per head without RoPE (0: d_model / n_head)"}
+    )
+    qk_rope_head_dim: int = field(
+        default=0, metadata={"help": "query/key width per head with RoPE (the key's is shared by heads)"}
+    )
+    v_head_dim: int = field(default=0, metadata={"help": "value width per head (0: d_model / n_head)"})
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+def mla_dims(config: DeepSeekConfig) -> tuple[int, int, int]:
     """(query/key width without RoPE, with RoPE, value width) of one head."""
     width = config.d_model // config.n_head
     return config.qk_nope_head_dim or width, config.qk_rope_head_dim, config.v_head_dim or width
@@ -41,7 +58,7 @@ class LatentAttention(nn.Module):
     the key/value latent and the shared RoPE key; `wkv_b` expands the normalised latent to every head's
     key part without RoPE and value; `wo` reads the heads' outputs."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: DeepSeekConfig) -> None:
         super().__init__()
         nope, rope, value = mla_dims(config)
         self.dims, self.latent = (nope, rope, value), config.kv_lora_rank
@@ -55,7 +72,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(config.kv_lora_rank, heads * (nope + value), bias=False)
         self.wo = nn.Linear(heads * value, d, bias=False)
         self.shared_key = nn.Identity()  # the RoPE key all heads read (a place for TP to sum its gradient)
-        self.rope_config = replace(config, head_dim=rope)  # RoPE's frequencies over the RoPE part only
+        self.rope_theta = config.rope_theta  # RoPE turns the last `rope` dimensions of q and k only
         self.dropout = config.dropout
         self.attend: Attend = attend
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -78,7 +95,7 @@ class LatentAttention(nn.Module):
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + seq, device=x.device)
-        cos, sin = rotary_tables(positions, inverse_frequencies(self.rope_config, x.device))
+        cos, sin = rotary_tables(positions, inverse_frequencies(self.rope_theta, rope, x.device))
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None], cos, sin)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)

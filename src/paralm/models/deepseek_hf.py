@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
-from paralm.models.deepseek import mla_dims
+from paralm.models.deepseek import DeepSeekConfig, mla_dims
 from paralm.models.llama import ffn_hidden, moe_hidden
 from paralm.models.moe_config import is_moe_block
 from paralm.models.spec import StateDict, refuse_differences, refuse_unexportable
@@ -25,13 +24,13 @@ _SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 _ROTATED = ("attention.wq.weight", "attention.wkv_a.weight")  # rows end with each head's RoPE part
 
 
-def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+def config_to_hf(c: DeepSeekConfig) -> dict[str, Any]:
     """`config.json`'s fields, or a one-line refusal of a setting DeepseekV3 does not compute."""
     refused = {
-        "model.moe_score": (c.moe_score, "sigmoid"),
-        "model.moe_shared_expert": (c.moe_shared_expert, True),
-        "model.moe_every": (c.moe_every, 1),
-        "model.moe_capacity": (c.moe_capacity, 0.0),
+        "model.moe_score": (c.moe.score, "sigmoid"),
+        "model.moe_shared_expert": (c.moe.shared_expert, True),
+        "model.moe_every": (c.moe.every, 1),
+        "model.moe_capacity": (c.moe.capacity, 0.0),
     }
     refuse_unexportable("DeepseekV3", refused)
     nope, rope, value = mla_dims(c)
@@ -46,12 +45,12 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         num_attention_heads=c.n_head,
         num_key_value_heads=c.n_head,
         n_shared_experts=1,
-        n_routed_experts=c.moe_experts,
-        num_experts_per_tok=c.moe_top_k,
-        routed_scaling_factor=c.moe_routed_scale,
-        n_group=c.moe_groups,
-        topk_group=c.moe_topk_groups,
-        first_k_dense_replace=c.moe_first_dense,
+        n_routed_experts=c.moe.experts,
+        num_experts_per_tok=c.moe.top_k,
+        routed_scaling_factor=c.moe.routed_scale,
+        n_group=c.moe.groups,
+        topk_group=c.moe.topk_groups,
+        first_k_dense_replace=c.moe.first_dense,
         norm_topk_prob=True,
         q_lora_rank=c.q_lora_rank or None,
         kv_lora_rank=c.kv_lora_rank,
@@ -118,7 +117,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def _pairs(c: ModelConfig) -> list[tuple[str, int | None, str]]:
+def _pairs(c: DeepSeekConfig) -> list[tuple[str, int | None, str]]:
     """(paralm name, expert index or None, HF name) of every tensor `save_pretrained` writes."""
     pairs: list[tuple[str, int | None, str]] = [
         ("tok_embeddings.weight", None, "model.embed_tokens.weight"),
@@ -146,13 +145,13 @@ def _pairs(c: ModelConfig) -> list[tuple[str, int | None, str]]:
         pairs += [(f"{p}feed_forward.shared.{ours}", 0, f"{h}mlp.shared_experts.{hf}.weight") for ours, hf in _SWIGLU]
         pairs += [
             (f"{p}feed_forward.experts.{ours}", j, f"{h}mlp.experts.{j}.{hf}.weight")
-            for j in range(c.moe_experts)
+            for j in range(c.moe.experts)
             for ours, hf in _SWIGLU
         ]
     return pairs
 
 
-def _interleave(name: str, w: torch.Tensor, c: ModelConfig, inverse: bool) -> torch.Tensor:
+def _interleave(name: str, w: torch.Tensor, c: DeepSeekConfig, inverse: bool) -> torch.Tensor:
     """`w` with the RoPE rows of each head (q) or of the shared key (wkv_a) permuted from `rotate_half` pairs
     to interleaved ones (back, with `inverse`); other tensors as they are."""
     if not name.endswith(_ROTATED):
@@ -166,12 +165,12 @@ def _interleave(name: str, w: torch.Tensor, c: ModelConfig, inverse: bool) -> to
     return torch.cat((rows[:, :before], rows[:, before:][:, order]), dim=1).view_as(w)
 
 
-def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+def to_hf(sd: StateDict, config: DeepSeekConfig) -> StateDict:
     """The tensors `DeepseekV3ForCausalLM.save_pretrained` writes; a zero bias where paralm routes without it."""
     out = {}
     for ours, j, theirs in _pairs(config):
         w = sd[ours] if j is None else sd[ours][j]
-        if ours.endswith("expert_bias") and not config.moe_bias_balance:
+        if ours.endswith("expert_bias") and not config.moe.bias_balance:
             w = torch.zeros_like(w)
         out[theirs] = _interleave(ours, w, config, inverse=False).detach().contiguous()
     return out
@@ -190,7 +189,7 @@ def _unstacked(hf: StateDict) -> StateDict:
     return out
 
 
-def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+def from_hf(hf: StateDict, config: DeepSeekConfig, source: str) -> StateDict:
     """paralm's state dict from DeepseekV3 weights (the inverse of `to_hf`)."""
     hf = _unstacked({k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")})
     pairs = _pairs(config)

@@ -18,8 +18,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
 from paralm.models import deepseek_hf
-from paralm.models.config import ModelConfig
-from paralm.models.deepseek import DeepSeek, mla_dims
+from paralm.models.deepseek import DeepSeek, DeepSeekConfig, mla_dims
 from paralm.models.llama import TIED, ffn_hidden, moe_hidden
 from paralm.models.moe_config import moe_shape
 from paralm.models.shape import ModelShape
@@ -27,13 +26,13 @@ from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, Shar
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
-def _low_rank_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
+def _low_rank_matrices(c: DeepSeekConfig) -> tuple[tuple[int, int, int], ...]:
     """MLA's projections every head reads (wq_a, wkv_a): tensor parallelism keeps them whole."""
     _, rope, _ = mla_dims(c)
     return (*(((c.q_lora_rank, c.d_model, 1),) if c.q_lora_rank else ()), (c.kv_lora_rank + rope, c.d_model, 1))
 
 
-def _attention_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
+def _attention_matrices(c: DeepSeekConfig) -> tuple[tuple[int, int, int], ...]:
     """MLA's matrices (rows, columns, 1): the query path, wkv_a, wkv_b and wo."""
     d, heads, rank = c.d_model, c.n_head, c.q_lora_rank
     nope, rope, value = mla_dims(c)
@@ -42,7 +41,7 @@ def _attention_matrices(c: ModelConfig) -> tuple[tuple[int, int, int], ...]:
     return (*query, *latent, (d, heads * value, 1))
 
 
-def shape(config: ModelConfig) -> ModelShape:
+def shape(config: DeepSeekConfig) -> ModelShape:
     """DeepSeek's counts. The latent matrices (wq's after a low-rank path, wkv_b) have no d_model side;
     `layer_matrices` lists them all the same, as FLOPs match (rows x columns / d_model wide)."""
     d, n, vocab, heads = config.d_model, config.n_layer, config.vocab_size, config.n_head
@@ -82,7 +81,7 @@ def shape(config: ModelConfig) -> ModelShape:
     )
 
 
-def check(config: ModelConfig) -> None:
+def check(config: DeepSeekConfig) -> None:
     """Shapes MLA cannot take, each a one-line error."""
     _, rope, _ = mla_dims(config)
     if rope <= 0 or rope % 2:
@@ -92,17 +91,6 @@ def check(config: ModelConfig) -> None:
     for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_hidden", "ffn_hidden"):
         if getattr(config, name) < 0:
             raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
-    if (
-        config.rope_scaling != "none"
-        or config.attention_bias
-        or config.qk_norm
-        or config.head_dim
-        or config.sliding_window
-    ):
-        raise UserError(
-            "model.rope_scaling, attention_bias, qk_norm, head_dim and sliding_window are Llama's: deepseek's "
-            "attention sets its widths with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim"
-        )
     if config.rope_theta <= 0 or config.norm_eps <= 0:
         raise UserError("model.rope_theta and model.norm_eps must be positive")
 
@@ -129,6 +117,7 @@ def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRe
 
 SPEC = ModelSpec(
     name="deepseek",
+    options=DeepSeekConfig,
     build=DeepSeek,
     check=check,
     shape=shape,

@@ -14,6 +14,7 @@ q, k and v are separate projections (Megatron shards them column-wise); Hugging 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +24,24 @@ from paralm.models.config import ModelConfig
 from paralm.models.documents import document_mask, document_positions, masked_attend
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE
-from paralm.models.moe_config import is_moe_block
+from paralm.models.moe_config import MoEConfig, is_moe_block
 from paralm.models.seeding import seed_parameter
 
 TIED = {"lm_head.weight": "wte.weight"}  # the head multiplies by the token embedding, as GPT-2
 
 
+@dataclass
+class GPT2Config(ModelConfig):
+    """GPT-2's options: learned positions, LayerNorm, a 4x GELU MLP (or GELU experts of its width) and a head
+    tied to the embedding are fixed; biases and the MoE feed-forwards are not."""
+
+    family: str = "gpt2"
+    bias: bool = field(default=True, metadata={"help": "biases in linear layers and LayerNorms"})
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         self.head_dim = config.d_model // config.n_head
         self.wq = nn.Linear(config.d_model, config.d_model, bias=config.bias)
@@ -53,7 +64,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
@@ -64,7 +75,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: GPT2Config, index: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
@@ -80,7 +91,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         self.config = config
         self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)

@@ -21,15 +21,14 @@ from torch.distributed.tensor.parallel import PrepareModuleOutput
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
-from paralm.models.gpt2 import GPT, TIED
-from paralm.models.moe_config import moe_shape
+from paralm.models.gpt2 import GPT, TIED, GPT2Config
+from paralm.models.moe_config import moe_options, moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
-def shape(config: ModelConfig) -> ModelShape:
+def shape(config: GPT2Config) -> ModelShape:
     """GPT-2's counts: token and learned position embeddings, pre-LN blocks with separate q/k/v/out
     projections and a 4x GELU MLP, a final LayerNorm, a head tied to the token embedding (LayerNorms
     keep their weight when `bias` is off)."""
@@ -88,9 +87,9 @@ HF_RENAMES = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp
 QKV = ("wq", "wk", "wv")
 
 
-def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+def config_to_hf(c: GPT2Config) -> dict[str, Any]:
     """Arguments for `transformers.GPT2Config` describing the same architecture."""
-    if c.moe_experts:
+    if moe_options(c):
         raise UserError(
             "Hugging Face GPT-2 has no mixture-of-experts layers: a model with model.moe_experts > 0 does not export"
         )
@@ -147,7 +146,7 @@ def _renamed(n_layer: int) -> list[tuple[str, str, bool]]:
     return pairs
 
 
-def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+def to_hf(sd: StateDict, config: GPT2Config) -> StateDict:
     """HF GPT-2's tensors (the tied `lm_head.weight` left out: transformers restores it from the embedding)."""
     out = {hf: sd[name].t() if transposed else sd[name] for name, hf, transposed in _renamed(config.n_layer)}
     for i in range(config.n_layer):
@@ -157,7 +156,7 @@ def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+def from_hf(hf: StateDict, config: GPT2Config, source: str) -> StateDict:
     """paralm's state dict from HF GPT-2 weights (the inverse of `to_hf`; the head is the embedding)."""
     hf = {k.removeprefix("model."): v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     with torch.device("meta"):  # names only, no memory
@@ -183,16 +182,13 @@ def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def check(config: ModelConfig) -> None:
-    """Every shape the generic checks admit builds (d_model divisible by n_head is checked there); Llama's
-    sliding window and expert width are refused rather than ignored."""
-    for name in ("sliding_window", "moe_hidden"):
-        if getattr(config, name):
-            raise UserError(f"model.{name} = {getattr(config, name)}: GPT-2 has none; set 0 or family = 'llama'")
+def check(config: GPT2Config) -> None:
+    """Every shape the generic checks admit builds (d_model divisible by n_head is checked there)."""
 
 
 SPEC = ModelSpec(
     name="gpt2",
+    options=GPT2Config,
     build=GPT,
     check=check,
     shape=shape,

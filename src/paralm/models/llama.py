@@ -17,6 +17,7 @@ weights map to `LlamaForCausalLM` without a permutation.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +27,74 @@ from paralm.models.config import ModelConfig
 from paralm.models.documents import document_mask, document_positions, masked_attend, window_mask
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE
-from paralm.models.moe_config import is_moe_block
-from paralm.models.rope import head_dim, inverse_frequencies, rotary_tables, rotate
+from paralm.models.moe_config import MoEConfig, is_moe_block
+from paralm.models.rope import inverse_frequencies, llama3_scaled, rotary_tables, rotate
 from paralm.models.seeding import seed_parameter
 
 TIED = {"output.weight": "tok_embeddings.weight"}  # with model.tie_embeddings
 
 
-def ffn_hidden(config: ModelConfig, multiple_of: int = 256) -> int:
+@dataclass
+class DecoderConfig(ModelConfig):
+    """What paralm's Llama module reads besides its attention's settings: RMSNorm, RoPE's base, SwiGLU's widths
+    and the head. DeepSeek's options share them (its model is this module with latent attention)."""
+
+    rope_theta: float = field(default=10000.0, metadata={"help": "rotary embedding base"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
+    ffn_hidden: int = field(
+        default=0, metadata={"help": "SwiGLU width (0: 2/3 of 4*d_model rounded up to a multiple of 256)"}
+    )
+    moe_hidden: int = field(
+        default=0, metadata={"help": "each routed and shared expert's SwiGLU width (0: model.ffn_hidden's)"}
+    )
+    tie_embeddings: bool = field(default=False, metadata={"help": "the head shares the token embedding"})
+
+
+@dataclass
+class LlamaConfig(DecoderConfig):
+    """Llama's options, with those of the architectures it imports exactly: grouped-query attention, RoPE
+    scaling (Llama 3.1), q/k/v biases (Qwen2), per-head q/k norms and an explicit head width (Qwen3), a
+    sliding window (Mistral), MoE feed-forwards (Mixtral, Qwen3-MoE)."""
+
+    family: str = "llama"
+    n_kv_heads: int = field(
+        default=0, metadata={"help": "key/value heads (grouped-query attention; 0: n_head, 1: multi-query)"}
+    )
+    head_dim: int = field(default=0, metadata={"help": "width of each attention head (0: d_model / n_head)"})
+    attention_bias: bool = field(default=False, metadata={"help": "biases on q, k and v (Qwen2)"})
+    qk_norm: bool = field(default=False, metadata={"help": "RMSNorm of each query and key head (Qwen3)"})
+    rope_scaling: str = field(
+        default="none", metadata={"help": "RoPE frequency scaling: none, linear or llama3 (Llama 3.1)"}
+    )
+    rope_factor: float = field(default=1.0, metadata={"help": "RoPE scaling factor (linear, llama3)"})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama3 scaling's low_freq_factor"})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama3 scaling's high_freq_factor"})
+    rope_original_context: int = field(
+        default=8192, metadata={"help": "llama3 scaling's original_max_position_embeddings"}
+    )
+    sliding_window: int = field(
+        default=0, metadata={"help": "each token attends to itself and the window - 1 tokens before it (0: off)"}
+    )
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+def head_dim(config: LlamaConfig) -> int:
+    """The width of one attention head: `model.head_dim`, or d_model / n_head."""
+    return config.head_dim or config.d_model // config.n_head
+
+
+def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's frequencies for a head, scaled as `model.rope_scaling` says."""
+    inv_freq = inverse_frequencies(config.rope_theta, head_dim(config), device)
+    if config.rope_scaling == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_scaling == "llama3":
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        return llama3_scaled(inv_freq, config.rope_factor, low, high, config.rope_original_context)
+    return inv_freq
+
+
+def ffn_hidden(config: DecoderConfig, multiple_of: int = 256) -> int:
     """SwiGLU's width: `model.ffn_hidden`, or Llama's rule (2/3 of 4·d_model, rounded up to `multiple_of`)."""
     if config.ffn_hidden:
         return config.ffn_hidden
@@ -41,12 +102,12 @@ def ffn_hidden(config: ModelConfig, multiple_of: int = 256) -> int:
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
-def moe_hidden(config: ModelConfig) -> int:
+def moe_hidden(config: DecoderConfig) -> int:
     """Each routed expert's SwiGLU width: `model.moe_hidden`, or the dense feed-forward's."""
     return config.moe_hidden or ffn_hidden(config)
 
 
-def kv_heads(config: ModelConfig) -> int:
+def kv_heads(config: LlamaConfig) -> int:
     return config.n_kv_heads or config.n_head
 
 
@@ -55,7 +116,7 @@ class Attention(nn.Module):
     `model.qk_norm` each query and key head is RMS-normalised before the rotation (Qwen3), with
     `model.sliding_window` each query sees only that many latest keys (Mistral), with a cache as without."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = head_dim(config)
         q_width, kv_width = config.n_head * self.head_dim, kv_heads(config) * self.head_dim
@@ -85,7 +146,7 @@ class Attention(nn.Module):
         start = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(start, start + seq, device=q.device)
-        cos, sin = rotary_tables(positions, inverse_frequencies(self.config, q.device))
+        cos, sin = rotary_tables(positions, rope_frequencies(self.config, q.device))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         if self.config.sliding_window:  # q holds the whole sequence here, also under sequence parallelism
@@ -104,7 +165,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         hidden = ffn_hidden(config)
         self.w1 = nn.Linear(config.d_model, hidden, bias=False)
@@ -119,7 +180,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     attention_type: type[nn.Module] = Attention  # a family with other attention (DeepSeek's MLA) subclasses
 
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: DecoderConfig, index: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attention = self.attention_type(config)
@@ -141,7 +202,7 @@ class Block(nn.Module):
 class Llama(nn.Module):
     block_type: type[nn.Module] = Block  # a family with other blocks (DeepSeek's) subclasses with its own
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)

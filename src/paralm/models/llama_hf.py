@@ -15,10 +15,8 @@ from typing import Any
 
 from paralm.errors import UserError
 from paralm.models import mixtral_hf, qwen3_moe_hf
-from paralm.models.config import ModelConfig
-from paralm.models.llama import ffn_hidden, kv_heads
+from paralm.models.llama import LlamaConfig, ffn_hidden, head_dim, kv_heads
 from paralm.models.moe_config import is_moe_block
-from paralm.models.rope import head_dim
 from paralm.models.spec import StateDict, refuse_differences
 
 _RENAMES = {
@@ -37,11 +35,11 @@ _HEAD_NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self
 _SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF rope_type -> model.rope_scaling
 
 
-def _architecture(c: ModelConfig) -> tuple[str, str]:
+def _architecture(c: LlamaConfig) -> tuple[str, str]:
     """(architecture, model_type) of the transformers class that computes `c`, or a one-line refusal."""
-    if c.moe_experts and c.attention_bias:
+    if c.moe.experts and c.attention_bias:
         raise UserError("an MoE model with model.attention_bias has no transformers class to export to")
-    if c.sliding_window and (c.moe_experts or c.qk_norm or c.attention_bias):
+    if c.sliding_window and (c.moe.experts or c.qk_norm or c.attention_bias):
         raise UserError(
             "model.sliding_window exports only as a Mistral (no model.moe_experts, qk_norm or attention_bias)"
         )
@@ -50,15 +48,15 @@ def _architecture(c: ModelConfig) -> tuple[str, str]:
     if c.qk_norm and c.attention_bias:  # Qwen3's attention_bias also puts a bias on the output projection
         raise UserError("model.qk_norm with model.attention_bias has no transformers class to export to")
     if c.qk_norm:
-        return ("Qwen3MoeForCausalLM", "qwen3_moe") if c.moe_experts else ("Qwen3ForCausalLM", "qwen3")
-    if c.moe_experts:
+        return ("Qwen3MoeForCausalLM", "qwen3_moe") if c.moe.experts else ("Qwen3ForCausalLM", "qwen3")
+    if c.moe.experts:
         return "MixtralForCausalLM", "mixtral"
     if c.attention_bias:
         return "Qwen2ForCausalLM", "qwen2"
     return "LlamaForCausalLM", "llama"
 
 
-def _rope_parameters(c: ModelConfig) -> dict[str, Any]:
+def _rope_parameters(c: LlamaConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default" if c.rope_scaling == "none" else c.rope_scaling}
     if c.rope_scaling != "none":
         rope["factor"] = c.rope_factor
@@ -71,7 +69,7 @@ def _rope_parameters(c: ModelConfig) -> dict[str, Any]:
     return rope
 
 
-def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """`config.json`'s fields for the same architecture, `architectures` and `model_type` included."""
     architecture, model_type = _architecture(c)
     moe = {"mixtral": mixtral_hf.config_to_hf, "qwen3_moe": qwen3_moe_hf.config_to_hf}.get(model_type)
@@ -168,15 +166,15 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def names(config: ModelConfig) -> list[tuple[str, str]] | None:
+def names(config: LlamaConfig) -> list[tuple[str, str]] | None:
     """(paralm name, HF name) of every tensor (a tied head left out: transformers restores it); None for MoE
     feed-forwards, whose experts paralm stacks into one tensor where HF keeps one per expert."""
-    if config.moe_experts:
+    if config.moe.experts:
         return None
     return _pairs(config)
 
 
-def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
+def _pairs(config: LlamaConfig) -> list[tuple[str, str]]:
     pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     if not config.tie_embeddings:
         pairs.append(("output.weight", "lm_head.weight"))
@@ -192,28 +190,28 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
-def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+def to_hf(sd: StateDict, config: LlamaConfig) -> StateDict:
     """The tensors `save_pretrained` writes for the architecture `config_to_hf` names."""
     out = {hf: sd[name] for name, hf in _pairs(config)}
-    if config.moe_experts:
+    if config.moe.experts:
         out |= mixtral_hf.to_hf(sd, config)
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: StateDict, config: ModelConfig, source: str) -> StateDict:
+def from_hf(hf: StateDict, config: LlamaConfig, source: str) -> StateDict:
     """paralm's state dict from the HF weights (the inverse of `to_hf`)."""
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.moe_experts:
+    if config.moe.experts:
         hf = mixtral_hf.stacked(hf, config)
     pairs = _pairs(config)
-    expected = {h for _, h in pairs} | (mixtral_hf.expected_names(config) if config.moe_experts else set())
+    expected = {h for _, h in pairs} | (mixtral_hf.expected_names(config) if config.moe.experts else set())
     missing = sorted(expected - set(hf))
     if missing:
         raise UserError(f"{source}: missing weights ({', '.join(missing[:3])}...): not a Llama model paralm can load")
     extra = sorted(set(hf) - expected - ({"lm_head.weight"} if config.tie_embeddings else set()))
     if extra:
         raise UserError(f"{source}: weights paralm's Llama has no place for: {', '.join(extra[:3])}")
-    out = {name: hf[h] for name, h in pairs} | (mixtral_hf.from_hf(hf, config) if config.moe_experts else {})
+    out = {name: hf[h] for name, h in pairs} | (mixtral_hf.from_hf(hf, config) if config.moe.experts else {})
     if config.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return {k: v.float().contiguous() for k, v in out.items()}

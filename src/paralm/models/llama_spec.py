@@ -17,16 +17,15 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
 from paralm.models import llama_hf
-from paralm.models.config import ModelConfig
-from paralm.models.llama import TIED, Llama, ffn_hidden, kv_heads, moe_hidden
+from paralm.models.llama import TIED, Llama, LlamaConfig, ffn_hidden, head_dim, kv_heads, moe_hidden
 from paralm.models.moe_config import moe_shape
-from paralm.models.rope import ROPE_SCALINGS, head_dim
+from paralm.models.rope import ROPE_SCALINGS
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
-def shape(config: ModelConfig) -> ModelShape:
+def shape(config: LlamaConfig) -> ModelShape:
     """Llama's counts: q and o d x (heads · head_dim), k and v d x (kv heads · head_dim), SwiGLU's three
     matrices, two RMSNorm gains per block and a final one (and per-head q/k gains with `qk_norm`), biases
     only on q, k, v (with `attention_bias`), no position table, a head of its own unless tied."""
@@ -67,10 +66,11 @@ def shape(config: ModelConfig) -> ModelShape:
         elementwise_kernels=10 + 2 * (8 + 10) + 1,
         moe=moe_shape(config, layer[3:], 3 * d * hidden, ((moe_hidden(config), d, 2), (d, moe_hidden(config), 1))),
         mlp_fused=3 * hidden,  # compiled: SiLU and product read w1's and w3's outputs, write w2's input
+        attention_window=config.sliding_window,
     )
 
 
-def check(config: ModelConfig) -> None:
+def check(config: LlamaConfig) -> None:
     """Shapes RoPE and grouped-query attention cannot take, each a one-line error."""
     heads = kv_heads(config)
     if config.n_kv_heads < 0 or config.n_head % heads:
@@ -123,6 +123,7 @@ def sharded_regions(model: nn.Module, sequence_parallel: bool) -> list[ShardedRe
 
 SPEC = ModelSpec(
     name="llama",
+    options=LlamaConfig,
     build=Llama,
     check=check,
     shape=shape,

@@ -19,34 +19,33 @@ from typing import Any
 import torch
 
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
-from paralm.models.llama import ffn_hidden
+from paralm.models.llama import LlamaConfig, ffn_hidden
 from paralm.models.moe_config import is_moe_block
 from paralm.models.spec import StateDict, refuse_differences, refuse_unexportable
 
 
-def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The fields a Mixtral `config.json` has besides a Llama's, or a one-line refusal."""
     refused = {
-        "model.moe_every": (c.moe_every, 1),
-        "model.moe_first_dense": (c.moe_first_dense, 0),
-        "model.moe_groups": (c.moe_groups, 1),
-        "model.moe_routed_scale": (c.moe_routed_scale, 1.0),
-        "model.moe_shared_expert": (c.moe_shared_expert, False),
-        "model.moe_score": (c.moe_score, "softmax"),
-        "model.moe_bias_balance": (c.moe_bias_balance, False),
-        "model.moe_capacity": (c.moe_capacity, 0.0),
-        "model.moe_top_k > 1": (c.moe_top_k > 1, True),
-        "model.moe_norm_topk": (c.moe_norm_topk, True),
+        "model.moe_every": (c.moe.every, 1),
+        "model.moe_first_dense": (c.moe.first_dense, 0),
+        "model.moe_groups": (c.moe.groups, 1),
+        "model.moe_routed_scale": (c.moe.routed_scale, 1.0),
+        "model.moe_shared_expert": (c.moe.shared_expert, False),
+        "model.moe_score": (c.moe.score, "softmax"),
+        "model.moe_bias_balance": (c.moe.bias_balance, False),
+        "model.moe_capacity": (c.moe.capacity, 0.0),
+        "model.moe_top_k > 1": (c.moe.top_k > 1, True),
+        "model.moe_norm_topk": (c.moe.norm_topk, True),
         "model.moe_hidden": (c.moe_hidden if c.moe_hidden != ffn_hidden(c) else 0, 0),
     }
     refuse_unexportable("Mixtral", refused)
     return dict(
         architectures=["MixtralForCausalLM"],
         model_type="mixtral",
-        num_local_experts=c.moe_experts,
-        num_experts_per_tok=c.moe_top_k,
-        router_aux_loss_coef=c.moe_aux_loss,
+        num_local_experts=c.moe.experts,
+        num_experts_per_tok=c.moe.top_k,
+        router_aux_loss_coef=c.moe.aux_loss,
         router_jitter_noise=0.0,
     )
 
@@ -78,16 +77,16 @@ MIXTRAL = ExpertNames("block_sparse_moe.", "w1", "w2", "w3")
 QWEN3_MOE = ExpertNames("mlp.", "gate_proj", "down_proj", "up_proj")
 
 
-def expert_names(config: ModelConfig) -> ExpertNames:
+def expert_names(config: LlamaConfig) -> ExpertNames:
     """Qwen3-MoE's names for a model with per-head q/k norms, Mixtral's otherwise (as export picks)."""
     return QWEN3_MOE if config.qk_norm else MIXTRAL
 
 
-def moe_blocks(config: ModelConfig) -> list[int]:
+def moe_blocks(config: LlamaConfig) -> list[int]:
     return [i for i in range(config.n_layer) if is_moe_block(config, i)]
 
 
-def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
+def to_hf(sd: StateDict, config: LlamaConfig) -> StateDict:
     """Every MoE block's router and experts, named as `save_pretrained` writes them."""
     names, out = expert_names(config), {}
     for i in moe_blocks(config):
@@ -98,7 +97,7 @@ def to_hf(sd: StateDict, config: ModelConfig) -> StateDict:
     return out
 
 
-def expected_names(config: ModelConfig) -> set[str]:
+def expected_names(config: LlamaConfig) -> set[str]:
     """The stacked layout's names (what `stacked` leaves)."""
     return {name for i in moe_blocks(config) for name in _stacked_names(i)}
 
@@ -108,7 +107,7 @@ def _stacked_names(i: int) -> tuple[str, str, str]:
     return h + "gate.weight", h + "experts.gate_up_proj", h + "experts.down_proj"
 
 
-def stacked(hf: StateDict, config: ModelConfig) -> StateDict:
+def stacked(hf: StateDict, config: LlamaConfig) -> StateDict:
     """`hf` with experts stored one by one (as `to_hf` writes them) stacked as transformers' module holds them."""
     hf, names = dict(hf), expert_names(config)
     for i in moe_blocks(config):
@@ -116,14 +115,14 @@ def stacked(hf: StateDict, config: ModelConfig) -> StateDict:
         if f"{old}experts.0.{names.w1}.weight" not in hf:
             continue
         hf[gate] = hf.pop(old + "gate.weight")
-        experts = range(config.moe_experts)
+        experts = range(config.moe.experts)
         w = {k: [hf.pop(f"{old}experts.{j}.{k}.weight") for j in experts] for k in (names.w1, names.w2, names.w3)}
         hf[gate_up] = torch.cat([torch.stack(w[names.w1]), torch.stack(w[names.w3])], dim=1)
         hf[down] = torch.stack(w[names.w2])
     return hf
 
 
-def from_hf(hf: StateDict, config: ModelConfig) -> StateDict:
+def from_hf(hf: StateDict, config: LlamaConfig) -> StateDict:
     """paralm's router and expert tensors (and zero balancing biases) from `stacked` weights."""
     out = {}
     for i in moe_blocks(config):
@@ -131,5 +130,5 @@ def from_hf(hf: StateDict, config: ModelConfig) -> StateDict:
         out[p + "gate.weight"] = hf[gate]
         out[p + "experts.w1"], out[p + "experts.w3"] = hf[gate_up].chunk(2, dim=1)
         out[p + "experts.w2"] = hf[down]
-        out[p + "expert_bias"] = torch.zeros(config.moe_experts)
+        out[p + "expert_bias"] = torch.zeros(config.moe.experts)
     return out

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paralm.models.config import ModelConfig
-from paralm.models.moe_config import is_moe_block, moe_layer_count
+from paralm.models.moe_config import MoEConfig, is_moe_block, moe_layer_count, moe_options
 
 RESIDUAL = ("experts.w2", "shared.w2")  # output projections: the families scale their initial std
 
@@ -109,16 +109,18 @@ class MoE(nn.Module):
 
     def __init__(self, config: ModelConfig, hidden: int, gated: bool, layer: int = 0) -> None:
         super().__init__()
-        self.config = config
+        self.options: MoEConfig = moe_options(config)
         self.slot = sum(is_moe_block(config, i) for i in range(layer))  # its place among the model's MoE layers
-        experts, d = config.moe_experts, config.d_model
+        self.layers = moe_layer_count(config)  # the model's MoE layers, which `take_statistics` lays out
+        experts, d = self.options.experts, config.d_model
         self.gate = nn.Linear(d, experts, bias=False)
         self.experts = GroupedExperts(experts, d, hidden, gated)
-        self.shared = GroupedExperts(1, d, hidden, gated) if config.moe_shared_expert else None
+        self.shared = GroupedExperts(1, d, hidden, gated) if self.options.shared_expert else None
         self.register_buffer("expert_bias", torch.zeros(experts))  # loss-free balancing; saved in checkpoints
         # Per-sequence means the balance terms read; where a layer routes part of each sequence (sequence
         # parallelism), the parallel code completes them over the ranks holding the other parts
         self.sequence_mean = nn.Identity()
+        self.position_group: dist.ProcessGroup | None = None  # those ranks, marked by the parallel code
         self.dropout = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None  # tokens routed to each expert this step (before drops)
@@ -130,43 +132,43 @@ class MoE(nn.Module):
     def token_wise(self) -> bool:
         """Whether each token's route is its own: no capacity, which would drop tokens by their order in
         the micro-batch. Such a layer can route any part of a sequence apart from the rest."""
-        return self.config.moe_capacity <= 0
+        return self.options.capacity <= 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, scores, chosen experts (T, k), their weights (T, k)) for tokens `x` (T, d)."""
-        c = self.config
+        c = self.options
         logits = self.gate(x).float()
-        scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()
-        choice = scores + self.expert_bias if c.moe_bias_balance else scores
-        if c.moe_groups > 1:
+        scores = logits.softmax(-1) if c.score == "softmax" else logits.sigmoid()
+        choice = scores + self.expert_bias if c.bias_balance else scores
+        if c.groups > 1:
             choice = self._best_groups(choice)
-        chosen = choice.topk(c.moe_top_k, dim=-1).indices
+        chosen = choice.topk(c.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
-        if c.moe_norm_topk and (c.moe_top_k > 1 or c.moe_score == "sigmoid"):  # Mixtral's, DeepSeek-V3's
+        if c.norm_topk and (c.top_k > 1 or c.score == "sigmoid"):  # Mixtral's, DeepSeek-V3's
             weights = weights / weights.sum(-1, keepdim=True)
-        return logits, scores, chosen, weights * c.moe_routed_scale
+        return logits, scores, chosen, weights * c.routed_scale
 
     def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Group-limited routing (DeepSeek-V3): experts outside each token's `moe_topk_groups` groups, ranked
         by the sum of their two best choice scores, set to -inf."""
-        c = self.config
-        grouped = choice.view(choice.shape[0], c.moe_groups, -1)
-        best = grouped.topk(2, dim=-1).values.sum(-1).topk(c.moe_topk_groups, dim=-1).indices
+        c = self.options
+        grouped = choice.view(choice.shape[0], c.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(c.topk_groups, dim=-1).indices
         keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape
-        c, k = self.config, self.config.moe_top_k
+        c, k = self.options, self.options.top_k
         flat = x.reshape(-1, d)
         logits, scores, chosen, weights = self.route(flat)
         assigned = chosen.flatten()
         order = assigned.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
         # tokens per expert; bincount's shape would depend on the data, which torch.compile cannot trace
-        counts = assigned.new_zeros(c.moe_experts).index_add_(0, assigned, torch.ones_like(assigned))
+        counts = assigned.new_zeros(c.experts).index_add_(0, assigned, torch.ones_like(assigned))
         kept = counts
-        if c.moe_capacity > 0:
-            capacity = math.ceil(c.moe_capacity * flat.shape[0] * k / c.moe_experts)
+        if c.capacity > 0:
+            capacity = math.ceil(c.capacity * flat.shape[0] * k / c.experts)
             first = counts.cumsum(0) - counts
             place = torch.arange(order.numel(), device=x.device) - first[assigned[order]]
             order, kept = order[place < capacity], counts.clamp(max=capacity)
@@ -189,8 +191,8 @@ class MoE(nn.Module):
         batch: int,
     ) -> None:
         """The auxiliary loss of this forward, and its routing added to the step's statistics (on the device)."""
-        c, experts = self.config, self.config.moe_experts
-        probs = scores if c.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        c, experts = self.options, self.options.experts
+        probs = scores if c.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         share = probs.view(batch, -1, experts).mean(1)  # P: mean score per sequence and expert
         picks = chosen.view(batch, -1)
         routed = torch.zeros(batch, experts, device=picks.device).scatter_add_(1, picks, torch.ones_like(picks).float())
@@ -198,10 +200,10 @@ class MoE(nn.Module):
         means = self.sequence_mean(torch.cat([share, routed / picks.shape[1], z], dim=1))
         share, routed_share, z = means.split([experts, experts, 1], dim=1)  # f: the share of picks per expert
         balance = experts * (routed_share * share).sum(-1).mean()
-        aux = c.moe_aux_loss * balance + c.moe_z_loss * z.mean()
+        aux = c.aux_loss * balance + c.z_loss * z.mean()
         if _recomputing[0]:
             return
-        self.aux_loss = aux if c.moe_aux_loss or c.moe_z_loss else None
+        self.aux_loss = aux if c.aux_loss or c.z_loss else None
         with torch.no_grad():
             if self.load is None:
                 self.load = torch.zeros(experts, device=counts.device)
@@ -244,8 +246,7 @@ def take_statistics(module: nn.Module) -> torch.Tensor | None:
     layers = [layer for layer in moe_layers(module) if layer.forwards]
     if not layers:
         return None
-    config = layers[0].config
-    loads = torch.zeros(moe_layer_count(config), config.moe_experts, device=layers[0].load.device)
+    loads = torch.zeros(layers[0].layers, layers[0].options.experts, device=layers[0].load.device)
     for layer in layers:
         loads[layer.slot] = layer.load
     balance = torch.stack([layer.balance / layer.forwards for layer in layers]).sum()
@@ -271,6 +272,16 @@ def balance_figures(summed: list[float], replicas: int, experts: int, tp: int = 
     }
 
 
+def routing_groups(module: nn.Module, dp_group: dist.ProcessGroup | None) -> list[dist.ProcessGroup]:
+    """The ranks routing the step's other tokens, over which its tokens per expert sum: the data-parallel
+    group, and the group each MoE layer routing part of every sequence shares the rest with (`position_group`)."""
+    groups = [dp_group] if dp_group is not None else []
+    for layer in moe_layers(module):
+        if layer.position_group is not None and layer.position_group not in groups:
+            groups.append(layer.position_group)
+    return groups
+
+
 @torch.no_grad()
 def update_balance(
     module: nn.Module, statistics: torch.Tensor, groups: Sequence[dist.ProcessGroup], skipped: torch.Tensor
@@ -280,13 +291,13 @@ def update_balance(
     `take_statistics`, this rank's, summed here over each of `groups`: the ranks routing other tokens);
     a skipped step moves nothing."""
     layers = moe_layers(module)
-    if not layers or not layers[0].config.moe_bias_balance:
+    if not layers or not layers[0].options.bias_balance:
         return
     loads = statistics[2:].clone()
     for group in groups:
         dist.all_reduce(loads, group=group)
-    loads = loads.view(-1, layers[0].config.moe_experts)
+    loads = loads.view(-1, layers[0].options.experts)
     for layer in layers:
         load = loads[layer.slot]
-        step = layer.config.moe_bias_rate * torch.sign(load.mean() - load)
+        step = layer.options.bias_rate * torch.sign(load.mean() - load)
         layer.expert_bias += step * (~skipped).to(step.dtype)

@@ -14,32 +14,31 @@ from __future__ import annotations
 from typing import Any
 
 from paralm.errors import UserError
-from paralm.models.config import ModelConfig
-from paralm.models.llama import moe_hidden
+from paralm.models.llama import LlamaConfig, moe_hidden
 from paralm.models.spec import refuse_differences, refuse_unexportable
 
 
-def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """The fields a Qwen3-MoE `config.json` has besides a Qwen3's, or a one-line refusal."""
     refused = {
-        "model.moe_groups": (c.moe_groups, 1),
-        "model.moe_routed_scale": (c.moe_routed_scale, 1.0),
-        "model.moe_shared_expert": (c.moe_shared_expert, False),
-        "model.moe_score": (c.moe_score, "softmax"),
-        "model.moe_bias_balance": (c.moe_bias_balance, False),
-        "model.moe_capacity": (c.moe_capacity, 0.0),
+        "model.moe_groups": (c.moe.groups, 1),
+        "model.moe_routed_scale": (c.moe.routed_scale, 1.0),
+        "model.moe_shared_expert": (c.moe.shared_expert, False),
+        "model.moe_score": (c.moe.score, "softmax"),
+        "model.moe_bias_balance": (c.moe.bias_balance, False),
+        "model.moe_capacity": (c.moe.capacity, 0.0),
     }
     refuse_unexportable("Qwen3-MoE", refused)
     return dict(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
-        num_experts=c.moe_experts,
-        num_experts_per_tok=c.moe_top_k,
+        num_experts=c.moe.experts,
+        num_experts_per_tok=c.moe.top_k,
         moe_intermediate_size=moe_hidden(c),
-        decoder_sparse_step=c.moe_every,
-        mlp_only_layers=list(range(c.moe_first_dense)),
-        norm_topk_prob=c.moe_norm_topk and c.moe_top_k > 1,  # paralm's top-1 softmax weights never renormalise
-        router_aux_loss_coef=c.moe_aux_loss,
+        decoder_sparse_step=c.moe.every,
+        mlp_only_layers=list(range(c.moe.first_dense)),
+        norm_topk_prob=c.moe.norm_topk and c.moe.top_k > 1,  # paralm's top-1 softmax weights never renormalise
+        router_aux_loss_coef=c.moe.aux_loss,
         output_router_logits=False,
     )
 

@@ -65,6 +65,7 @@ class ModelShape:
     # of `layer_matrices`, those tensor parallelism keeps whole on every rank (MLA's low-rank projections,
     # which every head reads); their parameters count among `layer_replicated_params`
     layer_whole_matrices: tuple[tuple[int, int, int], ...] = ()
+    attention_window: int = 0  # each query sees itself and this many - 1 keys before it (a sliding window); 0: all
 
     @property
     def mlp_fused_traffic(self) -> int:

@@ -2,8 +2,9 @@
 
 A strategy never names a model's submodules; it asks the family's `ModelSpec`: tensor parallelism
 its plan, pipeline parallelism where to cut, the planner and the metrics its closed-form counts,
-checkpoints its tied weights, export and import its Hugging Face mapping. A new family is a module
-file, a spec file and a line in `paralm.models.registry` (torchtitan's `TrainSpec`, narrowed).
+checkpoints its tied weights, export and import its Hugging Face mapping, the config its options. A new
+family is a module file (its model and options dataclass), a spec file and a line in
+`paralm.models.registry` (torchtitan's `TrainSpec`, narrowed).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class HFMapping:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # `model.family`
+    # the family's options dataclass: the `[model]` fields it reads (a `ModelConfig` subclass); a key it does
+    # not declare is refused (`paralm.models.registry.model_config`)
+    options: type[ModelConfig]
     build: Callable[[ModelConfig], nn.Module]  # the plain module, initialised from the global seed
     check: Callable[[ModelConfig], None]  # raises a one-line UserError for a shape the family cannot build
     shape: Callable[[ModelConfig], ModelShape]

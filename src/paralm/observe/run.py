@@ -1,4 +1,4 @@
-"""What the training loop tells the observers, in one object: step starts and ends, rows, failure.
+"""What the training loop tells the observers, in one object: step starts and ends (a step hook), rows, failure.
 
 Built before the process group (NCCL's flight recorder reads its settings there) and closed with the
 run. See `docs/debugging.md` for the files each rank writes and how to read them.
@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from paralm.config.dims import ParallelDims
 from paralm.config.schema import Config
 from paralm.errors import UserError, written_out
+from paralm.models.step import StepBatch, StepHook
 from paralm.observe.hang_dump import HANG_DIR
 from paralm.observe.memory_snapshot import MemorySnapshots, check_steps
 from paralm.observe.rank_logs import RankLog
@@ -28,7 +29,6 @@ from paralm.parallel.runtime import Runtime
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 PEER_REPORTS_WAIT_S = 5.0  # a rank whose collective timed out waits this long at most for its peers' reports
-T = TypeVar("T")
 
 
 class Stopping(Protocol):
@@ -37,7 +37,7 @@ class Stopping(Protocol):
     signum: int
 
 
-class RunObserver:
+class RunObserver(StepHook):
     """`closed_by_fit`: made by a trainer for itself (no `paralm.job` around it), closed when its loop ends."""
 
     def __init__(self, config: Config, closed_by_fit: bool = False) -> None:
@@ -74,18 +74,18 @@ class RunObserver:
         if self.closed_by_fit:
             self.close()
 
-    def step_started(self, step: int) -> None:
+    def started(self, step: int) -> None:
         self.watch.step_started(step)
         if self.memory:
             self.memory.step_started(step)
 
-    def forward_begins(self, batches: T) -> T:
-        """Data and host work are done (`batches` loaded, passed through); a forward that calls no collective
+    def batches(self, batch: StepBatch) -> StepBatch:
+        """Data and host work are done (`batch` loaded, passed through); a forward that calls no collective
         moves this mark to its end."""
         self.watch.own_work_done()
-        return batches
+        return batch
 
-    def step_ended(self, step: int) -> dict[str, float]:
+    def ended(self, step: int, skipped: torch.Tensor) -> dict[str, float]:
         """The step's own-time figures, for the metrics collective (`stragglers.encode`)."""
         if self.memory:
             self.memory.step_ended(step)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from paralm.compat import TorchDispatchMode
+from paralm.models.step import StepHook
 from paralm.parallel.wire_volume import wire_bytes
 
 SUMMARY_FILE = "comm.json"
@@ -183,6 +184,21 @@ class CommStats:
             f"({_human(total / max(steps, 1))}/step); "
             f"busiest rank {busiest['rank']}: {_human(busiest['sent'])} sent, {_human(busiest['received'])} received"
         )
+
+
+class StepBytes(StepHook):
+    """The counter on the loop's step (`log.comm_bytes`): what was counted before a step began (set-up,
+    validation, the metrics read-back, checkpoints, the stop agreement) is set aside, and a step's own bytes
+    sent go into its metrics row as `comm_bytes`. Registered last, so it counts the other hooks' collectives."""
+
+    def __init__(self, comm: CommStats) -> None:
+        self.comm = comm
+
+    def started(self, step: int) -> None:
+        self.comm.set_aside()
+
+    def ended(self, step: int, skipped: torch.Tensor) -> dict[str, int]:
+        return {"comm_bytes": self.comm.take_step()[0]}
 
 
 def _human(n: float) -> str:

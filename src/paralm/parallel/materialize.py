@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paralm.compat import TorchDispatchMode
-from paralm.convert.lora import init_adapters
+from paralm.convert.registry import init_converted
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
@@ -28,11 +28,11 @@ def has_meta_tensors(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def initialize(model: nn.Module, seed: int, device: torch.device) -> None:
-    """The one definition of initial weights: `init_weights(seed)` drawing on `device`, then the LoRA
-    adapters a converter added (which the family's `init_weights` does not know)."""
+    """The one definition of initial weights: `init_weights(seed)` drawing on `device`, then the parameters
+    converters added (which the family's `init_weights` does not know)."""
     with _ShardedInit(device):
         model.init_weights(seed)
-        init_adapters(model, seed)
+        init_converted(model, seed)
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, offload: bool = False) -> None:

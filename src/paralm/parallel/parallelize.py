@@ -20,6 +20,7 @@ from paralm.config.schema import Config, SyncConfig
 from paralm.convert.registry import apply_converters
 from paralm.models.registry import model_spec
 from paralm.models.spec import tied_parameters
+from paralm.models.step import StepBatch
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
 from paralm.parallel.compile import apply_compile
 from paralm.parallel.context.apply import apply_context_parallel, sequence_shard
@@ -28,12 +29,12 @@ from paralm.parallel.expert import ExpertParallel
 from paralm.parallel.fsdp import apply_fsdp
 from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
+from paralm.parallel.reducers import GradientReducer
 from paralm.parallel.replicate import apply_replicate
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.sequence_routing import SequenceRoutedGradients, sequence_routed_layers
-from paralm.parallel.step import Batches, LossScale, PlainStep, StepRunner
+from paralm.parallel.step import LossScale, PlainStep, StepRunner
 from paralm.parallel.straggler import straggle
-from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank, reduce_partial_gradients
+from paralm.parallel.tensor import apply_tensor_parallel, dropout_rank, tensor_parallel_reducers
 
 
 @dataclass
@@ -47,19 +48,13 @@ class ParallelPlan:
     sync_config: SyncConfig  # the straggler who sleeps in `before_step`; which replica group this job is
     tied: Collection[str]  # the copies of tied weights (`tied_parameters`): gradient clipping counts them once
     scaler_group: dist.ProcessGroup | None  # sharded gradients: the loss scaler agrees on overflows here
-    experts: tuple[ExpertParallel, ...] = ()  # expert parallelism (one per pipeline stage): its gradients sync here
-    sequence_routed: SequenceRoutedGradients | None = None  # MoE layers routing this rank's positions under SP
-    routing_groups: tuple[dist.ProcessGroup, ...] = ()  # the ranks routing other tokens: the MoE token counts sum here
+    reducers: tuple[GradientReducer, ...] = ()  # what the strategies sum of the gradients after backward, in order
 
-    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
+    def forward_backward(self, batch: StepBatch, scale: LossScale) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; this rank's mean loss over them."""
-        loss = self.runner.forward_backward(batches, scale)
-        if self.runtime.dims.tp_enabled:
-            reduce_partial_gradients(self.model)
-        if self.sequence_routed is not None:
-            self.sequence_routed.reduce_gradients()
-        for experts in self.experts:
-            experts.reduce_gradients()
+        loss = self.runner.forward_backward(batch, scale)
+        for reducer in self.reducers:
+            reducer.reduce_gradients()
         return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -86,13 +81,10 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     """
     dims, spec, dtype = runtime.dims, model_spec(config.model), config.precision.dtype
     tied = tied_parameters(model, spec)  # before a pipeline cut makes the head a copy
-    experts: list[ExpertParallel] = []
+    stage_reducers: list[GradientReducer] = []  # each stage's expert parallelism
 
     def parallelize_part(part: nn.Module) -> nn.Module:
-        """The whole model or one pipeline stage, its experts split first (DDP/FSDP then skip them)."""
-        if dims.ep_enabled:
-            experts.append(ExpertParallel(part, runtime))
-        return parallelize_stage(part, runtime, config, experts[-1] if dims.ep_enabled else None)
+        return parallelize_stage(part, runtime, config, stage_reducers)
 
     if dims.pp_enabled:  # stages are cut on the meta device, each materialised by `parallelize_stage`
         module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, parallelize_part)
@@ -101,8 +93,7 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
         every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
         runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep)
-    layers = sequence_routed_layers(model, dims.sequence_parallel) if dims.tp_enabled else []
-    routed = SequenceRoutedGradients(layers, runtime.mesh["tp"].get_group()) if layers else None
+    reducers = tensor_parallel_reducers(model, runtime.mesh["tp"], dims.sequence_parallel) if dims.tp_enabled else []
     return ParallelPlan(
         model=model,
         module=module,
@@ -111,17 +102,17 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         sync_config=config.sync,
         tied=tuple(tied),
         scaler_group=runtime.grad_group if dims.shards_gradients else None,
-        experts=tuple(experts),
-        sequence_routed=routed,
-        routing_groups=tuple(g for g in (runtime.dp_group, routed.group if routed else None) if g is not None),
+        reducers=(*reducers, *stage_reducers),
     )
 
 
-def parallelize_stage(
-    model: nn.Module, runtime: Runtime, config: Config, experts: ExpertParallel | None = None
-) -> nn.Module:
-    """TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline stage."""
+def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config, reducers: list[GradientReducer]) -> nn.Module:
+    """EP, TP/SP, activation checkpointing, compile, then data parallelism, on the whole model or on one pipeline
+    stage; the stage's gradient reducers are added to `reducers`."""
     dims, spec = runtime.dims, model_spec(config.model)
+    experts = ExpertParallel(model, runtime) if dims.ep_enabled else None  # first: DDP/FSDP then skip them
+    if experts is not None:
+        reducers.append(experts)
     apply_converters(model, spec, config, runtime.device)  # module swaps first: every strategy sees the new layers
     if dims.tp_enabled:
         apply_tensor_parallel(model, spec, runtime.mesh["tp"], dims.sequence_parallel, config.model.dropout > 0)
@@ -139,7 +130,7 @@ def parallelize_stage(
     if dims.ddp_enabled:  # ZeRO-1 and the modes other than all-reduce sync after backward (paralm.sync)
         if dims.tp_enabled or dims.pp_enabled:
             return apply_replicate(model, runtime)  # DDP takes neither DTensors nor pipeline stages
-        if experts:
+        if experts is not None:
             experts.hide_from_ddp(model)
         return apply_ddp(model, runtime, config.comm.bucket_mb)  # its hook: `paralm.sync.choose`
     return model

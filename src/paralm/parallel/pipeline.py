@@ -18,7 +18,7 @@ Loss: the schedule's loss function is a pipeline micro-batch's mean cross-entrop
 number of micro-batches in the whole step (pipeline micro-batches x grad_accum), with
 `scale_grads=False`: gradients and the summed loss are then the batch mean, as in the trainer's loop.
 With a loss mask it is the micro-batch's summed loss over the trained targets per loss replica
-(`Batches.loss_tokens`), as in `PlainStep`. An MoE stage's auxiliary loss never leaves its rank: the
+(`StepBatch.loss_tokens`), as in `PlainStep`. An MoE stage's auxiliary loss never leaves its rank: the
 stage's output carries it into backward (`carry_auxiliary_loss`), weighted as `PlainStep` weighs it
 (1 / the step's micro-batches), so each stage's MoE layers get the gradient one process gives them.
 Document ids travel as a keyword the schedule splits along with the batch and hands every stage.
@@ -48,10 +48,11 @@ from paralm.models.config import ModelConfig
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import pop_auxiliary_loss, take_statistics
 from paralm.models.spec import ModelSpec, tied_parameters
+from paralm.models.step import StepBatch
 from paralm.parallel.precision import autocast
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
-from paralm.parallel.step import Batches, LossScale, carry_auxiliary_loss, document_kwargs, loss_tokens
+from paralm.parallel.step import LossScale, carry_auxiliary_loss, document_kwargs
 from paralm.parallel.tensor import local_value, loss_context
 
 StageParallelizer = Callable[[nn.Module], nn.Module]
@@ -115,14 +116,14 @@ class Pipeline(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a pipeline runs through forward_backward or eval_loss, not a single forward")
 
-    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
+    def forward_backward(self, batch: StepBatch, scale: LossScale) -> torch.Tensor:
         """Accumulate gradients over the batches through the schedule; returns the mean loss on the
         last stage's ranks, 0 on the others. `scale` is not applied: the schedule calls backward
         itself, which is why fp16 (loss scaling) is refused with pipelines."""
-        self._loss_divisor = self.microbatches * len(batches)
-        self._loss_tokens = loss_tokens(batches)
-        total = torch.zeros((), device=batches[0][0].device)
-        for x, y, *rest in batches:
+        self._loss_divisor = self.microbatches * len(batch.micro_batches)
+        self._loss_tokens = batch.loss_tokens
+        total = torch.zeros((), device=batch.micro_batches[0][0].device)
+        for x, y, *rest in batch.micro_batches:
             losses: list[torch.Tensor] = []
             with loss_context(self.tp):
                 self.schedule.step(
@@ -139,7 +140,7 @@ class Pipeline(nn.Module):
 
     def _sum_tied_grads(self) -> None:
         for params in self.tied:
-            if not any(p.requires_grad for p in params):  # frozen on every rank (LoRA's base): nothing to sum
+            if not any(p.requires_grad for p in params):  # frozen on every rank (a converter's base): nothing to sum
                 continue
             grads = [_grad_like_param(p) for p in params]
             if len(grads) == 2:  # both ends on this rank

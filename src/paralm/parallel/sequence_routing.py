@@ -12,7 +12,8 @@ tokens alike):
   positions only: `reduce_gradients` sums them over the group once per step, in one all-reduce. An expert
   split by expert parallelism has the same shard on its tp peers (tp is the innermost mesh dim of both
   meshes), so its local gradient sums alike.
-The loss-free bias counts the tokens of the whole step: its counts sum over the group too (`routing_groups`).
+The loss-free bias counts the tokens of the whole step: each such layer is marked with the group
+(`MoE.position_group`), over which its counts sum too (`paralm.models.moe.routing_groups`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def sequence_routed_layers(model: nn.Module, sequence_parallel: bool) -> list[Mo
     return [layer for layer in moe_layers(model) if sequence_parallel and layer.token_wise]
 
 
-def complete_sequence_means(model: nn.Module, sequence_parallel: bool, group: dist.ProcessGroup) -> None:
-    """Each sequence-routed layer's per-sequence means averaged over `group`, the ranks holding the other parts."""
+def split_sequence_routing(model: nn.Module, sequence_parallel: bool, group: dist.ProcessGroup) -> None:
+    """Each sequence-routed layer marked with `group`, the ranks holding the other parts of its sequences, and
+    its per-sequence means averaged over them."""
     for layer in sequence_routed_layers(model, sequence_parallel):
+        layer.position_group = group
         layer.sequence_mean.register_forward_hook(partial(_mean_over, group))
 
 

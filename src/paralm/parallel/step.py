@@ -3,7 +3,7 @@ schedule instead: `paralm.parallel.pipeline.Pipeline` has the same two methods).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,28 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import pop_auxiliary_loss
+from paralm.models.step import StepBatch
 from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.ddp import gradient_sync
 from paralm.parallel.precision import autocast
 from paralm.parallel.tensor import local_value, loss_context
-
-
-class Batches(list):
-    """This rank's micro-batches of one step, each (x, y) or (x, y, documents) (`documents`: which document
-    each input token belongs to, with `data.document_mask`). With a loss mask, `loss_tokens` is the
-    global batch's trained target count divided by the loss replicas: each micro-batch's summed loss
-    over it makes the replicas' averaged gradients those of the global batch's mean over its trained
-    tokens. None: each micro-batch's mean over the accumulation steps, as without a mask."""
-
-    def __init__(self, items: Iterable[tuple] = (), loss_tokens: float | None = None, trained: int | None = None):
-        super().__init__(items)
-        self.loss_tokens = loss_tokens
-        self.trained = trained  # trained targets in the global batch (for the metrics)
-
-
-def loss_tokens(batches: list) -> float | None:
-    """The masked loss's normaliser of these batches (a plain list has none)."""
-    return getattr(batches, "loss_tokens", None)
 
 
 def document_kwargs(rest: tuple | list) -> dict[str, torch.Tensor]:
@@ -76,7 +59,7 @@ LossScale = Callable[[torch.Tensor], torch.Tensor]  # multiplies the loss before
 
 
 class StepRunner(Protocol):
-    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor: ...
+    def forward_backward(self, batch: StepBatch, scale: LossScale) -> torch.Tensor: ...
 
     def eval_loss(
         self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None
@@ -102,11 +85,11 @@ class PlainStep:
         x, y, positions = self.shard(x, y)
         return cross_entropy_loss(self.module(x, positions=positions), y, tokens)
 
-    def forward_backward(self, batches: Batches, scale: LossScale) -> torch.Tensor:
+    def forward_backward(self, batch: StepBatch, scale: LossScale) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; returns this rank's share of the step's loss: its
         mean over them, or with a loss mask its trained targets' loss over `loss_tokens`."""
         loss_sum = torch.zeros((), device=self.device)
-        tokens = loss_tokens(batches)
+        tokens, batches = batch.loss_tokens, batch.micro_batches
         for i, (x, y, *rest) in enumerate(batches):
             last = i == len(batches) - 1
             with gradient_sync(self.module, last or self.sync_every_microstep), loss_context(self.tp):

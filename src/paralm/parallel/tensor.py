@@ -26,9 +26,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from paralm.convert.lora import shard_adapters_like_weights
+from paralm.convert.registry import shard_converted
 from paralm.models.spec import ModelSpec, ShardedRegion, tied_parameters
-from paralm.parallel.sequence_routing import complete_sequence_means
+from paralm.parallel.reducers import GradientReducer
+from paralm.parallel.sequence_routing import SequenceRoutedGradients, sequence_routed_layers, split_sequence_routing
 
 
 def apply_tensor_parallel(
@@ -39,11 +40,11 @@ def apply_tensor_parallel(
     its sharded regions draw per-rank masks (`draw_per_rank`)."""
     tied = tied_parameters(model, spec)  # a pipeline stage may hold one end or its own copy
     parallelize_module(model, tp_mesh, spec.tensor_parallel_plan(model, sequence_parallel))
-    shard_adapters_like_weights(model)  # a converter's LoRA adapters: split as their base weights
+    shard_converted(model)  # the parameters a converter added: placed to match the layers it converted
     for name, source in tied.items():
         module, attribute = name.rsplit(".", 1)
         setattr(model.get_submodule(module), attribute, model.get_parameter(source))
-    complete_sequence_means(model, sequence_parallel, tp_mesh.get_group())
+    split_sequence_routing(model, sequence_parallel, tp_mesh.get_group())
     if dropout:
         draw_per_rank(model, spec.sharded_regions(model, sequence_parallel), tp_mesh)
 
@@ -102,6 +103,25 @@ def reduce_partial_gradients(model: nn.Module) -> None:
                 dist.all_reduce(flat, group=mesh.get_group(dim))
         for param, part, summed in zip(params, parts, flat.split([part.numel() for part in parts]), strict=True):
             param.grad = DTensor.from_local(summed.view_as(part), mesh, replicated, run_check=False)
+
+
+class PartialGradients:
+    """The pending partial sums of `model`'s gradients, summed once per step (`reduce_partial_gradients`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def reduce_gradients(self) -> None:
+        reduce_partial_gradients(self.model)
+
+
+def tensor_parallel_reducers(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> list[GradientReducer]:
+    """What tensor parallelism leaves to sum after backward on this rank's `model` (all its stages, after every
+    wrapping: FSDP replaces the parameters it shards): the partial sums, then the gradients of the MoE layers
+    that route this rank's positions only (`SequenceRoutedGradients`)."""
+    layers = sequence_routed_layers(model, sequence_parallel)
+    routed = [SequenceRoutedGradients(layers, tp_mesh.get_group())] if layers else []
+    return [PartialGradients(model), *routed]
 
 
 def loss_context(tp: int) -> contextlib.AbstractContextManager:

@@ -56,7 +56,7 @@ class Worker:
         """Gradients of this worker's batch at `start`: (loss, grad norm (async only), seconds)."""
         started = time.perf_counter()
         self.engine.plan.before_step(self.config.train.seed, version)
-        loss = self.engine.forward_backward(self.engine.micro_batches(start)).item()
+        loss = self.engine.forward_backward(self.engine.step_batch(start)).item()
         grad_norm = 0.0
         if self.config.sync.ps_async:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip or float("inf")).item()

@@ -27,8 +27,8 @@ QWEN3_30B_A3B = ("llama", 48, 2048, 32, 4, 6144)
 QWEN3_MOE = dict(moe_experts=128, moe_top_k=8, moe_hidden=768, head_dim=128, qk_norm=True)
 # DeepSeek-V3 (its paper, table and appendix; configs/deepseek-v3.toml): 61 layers, the first 3 dense (SwiGLU
 # 18432), then 256 routed experts of width 2048 and one shared, top-8 by sigmoid in 4 of 8 groups; latent
-# attention (MLA) of 128 heads.
-DEEPSEEK_V3 = ("deepseek", 61, 7168, 128, 128, 18432)
+# attention (MLA) of 128 heads, which has no key/value heads to count.
+DEEPSEEK_V3 = ("deepseek", 61, 7168, 128, None, 18432)
 DEEPSEEK_V3_FIELDS = dict(
     moe_hidden=2048,
     q_lora_rank=1536,
@@ -63,7 +63,7 @@ class PublishedRun:
     name: str
     source: str
     published: float  # tokens/s per GPU ("tokens"), or MFU ("mfu")
-    model: tuple[str, int, int, int, int, int]  # family, layers, d_model, heads, kv heads, ffn width
+    model: tuple[str, int, int, int, int | None, int]  # family, layers, d_model, heads, kv heads (None: none), ffn
     seq: int
     gpus: int
     layout: dict[str, object]  # Layout fields the run states (or that the row assumes, see `assumed`)

@@ -18,7 +18,7 @@ from typing import Any
 
 from paralm.config.load import load_config
 from paralm.config.schedules import fewest_stages_per_rank
-from paralm.config.schema import Config
+from paralm.config.schema import Config, file_sections
 from paralm.config.source import parse_overrides, read_toml
 from paralm.errors import UserError
 
@@ -84,7 +84,7 @@ def load_request(path: str | Path | None, overrides: list[str]) -> tuple[Config,
     """The config and its fixed layout fields, checked by paralm's rules for everything but what is searched."""
     given = given_fields(overrides) & set(LAYOUT_FIELDS)
     checked = _load_checked(path, [*overrides, *_neutral_overrides(overrides, given)], given)
-    file_config = Config.from_dict(read_toml(path) if path else {}, source=str(path or "defaults"))
+    file_config = Config.from_dict(file_sections(read_toml(path) if path else {}), source=str(path or "defaults"))
     config = with_fields(checked, {key: get(file_config, key) for key in LAYOUT_FIELDS if key not in given})
     fixed = {key: get(config, key) for key in given}
     if fixed.get("parallel.cpu_offload"):
@@ -109,7 +109,9 @@ def _load_checked(path: str | Path | None, overrides: list[str], given: set[str]
 def _neutral_overrides(overrides: list[str], given: set[str]) -> list[str]:
     """Overrides that set every searched field to a value the fixed ones accept: any schedule runs with
     enough micro-batches (gpipe and looped_bfs with any count), and the micro-batch is a multiple of them."""
-    typed = Config.from_dict(parse_overrides(overrides), source="command line")  # the fixed values, typed
+    # the fixed values, typed ([model]'s are the file's family's to type: `load_config` checks them)
+    layout = {section: values for section, values in parse_overrides(overrides).items() if section != "model"}
+    typed = Config.from_dict(layout, source="command line")
     values = {key: value for key, value in _NEUTRAL.items() if key not in given}
     v = get(typed, "parallel.pp_virtual_stages")
     if "parallel.pp_schedule" not in given:

@@ -26,6 +26,7 @@ from typing import Any
 from paralm.config.rules import checkpointing_problem, layout_problem, microbatch_problem
 from paralm.config.schema import Config
 from paralm.errors import UserError
+from paralm.models.registry import model_shape
 from paralm.plan.cluster import Cluster, GiB
 from paralm.plan.context import context_parallel_bytes
 from paralm.plan.layout import Layout, Workload
@@ -300,7 +301,8 @@ def _expert_degrees(
 ) -> Iterator[tuple[int, int, int, int]]:
     """Each sharding with every expert-parallel degree: the divisors of `dp_shard` that divide the experts
     (1 for a dense model); which of them compose with the rest is for the rules to say."""
-    experts = config.model.moe_experts
+    moe = model_shape(config.model).moe
+    experts = moe.experts if moe else 0
     for zero, replicate, shard in shardings:
         degrees = [e for e in _divisors(shard) if experts and experts % e == 0] or [1]
         for ep in _choices(fixed, "parallel.ep", degrees):

@@ -57,7 +57,7 @@ def workload(run: PublishedRun) -> Workload:
         f"--model.n_layer={layers}",
         f"--model.d_model={d}",
         f"--model.n_head={heads}",
-        f"--model.n_kv_heads={kv}",
+        *([f"--model.n_kv_heads={kv}"] if kv is not None else []),
         f"--model.ffn_hidden={ffn}",
         f"--model.vocab_size={run.vocab}",
         f"--model.block_size={run.seq}",

@@ -18,7 +18,7 @@ from typing import Any
 from paralm.config.dims import ParallelDims
 from paralm.config.load import load_config
 from paralm.config.rules import validate
-from paralm.config.schema import Config
+from paralm.config.schema import Config, file_sections
 from paralm.config.source import parse_overrides
 from paralm.errors import UserError
 from paralm.sweep.space import GridAxis, SampledAxis, check_distinct, expand
@@ -72,7 +72,8 @@ def plan_trials(
 
 
 def _with_values(base: Config, values: dict[str, Any], source: str) -> Config:
-    raw = copy.deepcopy(base.to_dict())
+    # the base's [model] keys another family's at their defaults, where the sweep sets model.family
+    raw = file_sections(copy.deepcopy(base.to_dict()), values.get("model.family"))
     for field, value in values.items():
         section, _, name = field.partition(".")
         raw.setdefault(section, {})[name] = value
@@ -103,7 +104,8 @@ def _build_trial(index: int, source: str, base: Config, values: dict[str, Any], 
         ParallelDims.from_config(config.parallel, config.sync, nproc)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
-    typed = {field: getattr(getattr(config, field.split(".")[0]), field.split(".")[1]) for field in values}
+    fields = config.to_dict()  # [model] flat, as the sweep names its fields
+    typed = {field: fields[field.split(".")[0]][field.split(".")[1]] for field in values}
     return Trial(index, typed, source, config)
 
 
@@ -149,7 +151,7 @@ def read_plan(out: Path) -> tuple[list[Trial], dict[str, Any]]:
     if record.get("format") != FORMAT:
         raise UserError(f"{path} has format {record.get('format')!r}, this paralm reads {FORMAT}")
     trials = [
-        Trial(t["trial"], t["overrides"], t["source"], Config.from_dict(t["config"], source=str(path)))
+        Trial(t["trial"], t["overrides"], t["source"], Config.from_dict(file_sections(t["config"]), source=str(path)))
         for t in record["trials"]
     ]
     return trials, record["options"]

@@ -24,10 +24,10 @@ from paralm.data.mixture import MixedData
 from paralm.data.prepare import data_sources, dataset_dir
 from paralm.data.sampler import BatchLayout
 from paralm.models.registry import model_shape, model_spec
+from paralm.models.step import StepBatch
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.precision import LossScaler
 from paralm.parallel.runtime import Runtime
-from paralm.parallel.step import Batches
 from paralm.sync.choose import build_sync
 from paralm.train.checkpoint.init_from import init_source, load_init
 from paralm.train.checkpoint.masked import MaskedState, saved_masks
@@ -63,7 +63,7 @@ class StepEngine:
         self.init_from = init_source(config, self.resume_from)  # a new run's weights: another model's
         pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
-        self.hooks = after_step_hooks(self.plan.model, self.plan.routing_groups, self.masks)
+        self.hooks = after_step_hooks(self.plan.model, self.runtime.dp_group, self.masks)
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
 
@@ -82,13 +82,6 @@ class StepEngine:
         """Clip where the sync strategy holds the gradients by now (ZeRO-1: on its shards); the norm before."""
         return self.sync.clip_grad_norm_(self.plan.model, max_norm, self.runtime, self.plan.tied)
 
-    def after_step(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Run the after-step hooks (MoE balance, pruning masks); their device values for the metrics row."""
-        produced: dict[str, torch.Tensor] = {}
-        for hook in self.hooks:
-            produced |= hook.after_step(skipped)
-        return produced
-
     def resume(self, state: Stateful | nn.Module) -> dict[str, Any] | None:
         """Load the checkpoint `checkpoint.resume` names into `state` (collective over the ranks that
         step together); returns its trainer state, or None when the run starts fresh (from
@@ -98,27 +91,27 @@ class StepEngine:
             load_init(self.init_from, self.plan.model, self.config, self.runtime.group)
         return None if path is None else load_checkpoint(path, state, self.runtime.group)
 
-    def micro_batches(self, start: int = 0) -> Batches:
+    def step_batch(self, start: int = 0) -> StepBatch:
         """This rank's micro-batches of the batch whose first sample is `start` (with each token's document
         under `data.document_mask`). With a loss mask every rank counts the whole global batch's trained
         targets from the masks, so the loss is normalised before backward with no collective."""
         size, seed, data = self.layout.micro_batch_size, self.config.train.seed, self.train_data
-        batches = Batches()
+        batch = StepBatch()
         if data.has_loss_mask:
-            batches.trained = data.trained_tokens(seed, start, self.layout.global_batch)
+            batch.trained = data.trained_tokens(seed, start, self.layout.global_batch)
             replicas = self.runtime.dims.grad_replicas * self.config.sync.replica_groups
-            batches.loss_tokens = max(batches.trained, 1) / replicas
+            batch.loss_tokens = max(batch.trained, 1) / replicas
         for first in self.layout.micro_batch_starts(start, self.dp_rank):
-            batch = [*data.sample(seed, first, size)]
+            micro = [*data.sample(seed, first, size)]
             if self.config.data.document_mask:
-                batch.append(data.documents(seed, first, size))
-            batches.append(tuple(to_device(t, self.device) for t in batch))
-        return batches
+                micro.append(data.documents(seed, first, size))
+            batch.micro_batches.append(tuple(to_device(t, self.device) for t in micro))
+        return batch
 
-    def forward_backward(self, batches: Batches) -> torch.Tensor:
+    def forward_backward(self, batch: StepBatch) -> torch.Tensor:
         """Accumulate gradients over the micro-batches, syncing only on the last; returns this rank's
         mean loss over them (0 on pipeline ranks without the last stage)."""
-        return self.plan.forward_backward(batches, self.scaler.scale)
+        return self.plan.forward_backward(batch, self.scaler.scale)
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (collective over the ranks that step together): `val_loss`, and with a mixture

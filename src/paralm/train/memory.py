@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from paralm.config.schema import Config
 from paralm.config.zero import is_sharded, per_rank
 from paralm.models.registry import model_spec
+from paralm.models.step import StepHook
 from paralm.train.optim.muon import muon_matrices
 
 MiB = 2**20
@@ -129,7 +130,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-class ModelStateMeter:
+class ModelStateMeter(StepHook):
     """Measures parameter, gradient and optimizer-state bytes of one training step on this rank.
 
     The optimizer state counted is what this rank holds: `optimizer`'s, or that of the local optimizer a
@@ -158,7 +159,7 @@ class ModelStateMeter:
         # pipeline stages run submodules, so the forward hook may not have fired: count what is held now
         self._param_bytes = max(self._param_bytes, local_bytes(params))
 
-    def after_step(self) -> dict[str, int]:
+    def ended(self, step: int, skipped: torch.Tensor) -> dict[str, int]:
         """The step's metrics (`param_bytes`, `grad_bytes`, `optim_bytes`), then reset for the next."""
         if not self.measuring:
             return self._last

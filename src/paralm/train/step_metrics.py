@@ -24,6 +24,7 @@ import torch
 from paralm.config.schema import Config
 from paralm.hardware import device_peak_flops
 from paralm.models.moe import balance_figures
+from paralm.models.moe_config import moe_options
 from paralm.observe.stragglers import decode
 from paralm.parallel.runtime import Runtime
 from paralm.train.metrics import Throughput, peak_memory_bytes, step_row
@@ -64,7 +65,7 @@ class StepMetrics:
             loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if runtime.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
             comm_bytes=config.log.comm_bytes,
-            moe_experts=config.model.moe_experts,
+            moe_experts=moe.experts if (moe := moe_options(config.model)) else 0,
         )
 
     def start_step(self) -> None:
@@ -76,18 +77,19 @@ class StepMetrics:
         step: int,
         loss: torch.Tensor,
         grad_norm: torch.Tensor,
-        counters: dict[str, int],
-        skipped: torch.Tensor | None = None,
-        moe: torch.Tensor | None = None,
-        **host: Any,
+        skipped: torch.Tensor | None,
+        values: dict[str, Any],
     ) -> None:
-        """Record a step without waiting for the device. `counters`: the memory meter's figures (maximised),
-        host integers; the step's bytes sent (summed over ranks, when counted) and peak memory are taken
-        here. `skipped`: the bad-step flag, on the device (None: the step cannot be skipped that way). `moe`:
-        the step's routing statistics, on the device, summed over ranks (`paralm.models.moe.take_statistics`)."""
-        counters = {**counters, "peak_mem_bytes": peak_memory_bytes(self.runtime.device)}
-        if self.comm_bytes:
-            counters["comm_bytes"] = self.runtime.comm.take_step()[0]
+        """Record a step without waiting for the device. `skipped`: the bad-step flag, on the device (None: the
+        step cannot be skipped that way). `values`: the step hooks' figures and the loop's, by name: the
+        `MAXIMA` counters (host integers: memory, own time; peak memory is taken here), `comm_bytes` (the
+        step's bytes sent, summed over ranks, when counted), `moe` (the step's routing statistics, on the
+        device, summed over ranks: `paralm.models.moe.take_statistics`); any other name is a host value the
+        row carries as it is (lr, samples seen, loss scale)."""
+        counted = set(self.SUMS + self.MAXIMA)
+        counters = {k: v for k, v in values.items() if k in counted}
+        host = {k: v for k, v in values.items() if k not in counted and k != "moe"}
+        counters["peak_mem_bytes"] = peak_memory_bytes(self.runtime.device)
         on_host = torch.tensor(
             [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA if k not in self.ON_DEVICE)],
             dtype=torch.float64,
@@ -97,9 +99,9 @@ class StepMetrics:
         on_host = on_host.to(self.runtime.device, non_blocking=True)
         flag = torch.zeros((), dtype=torch.float64, device=loss.device) if skipped is None else skipped.double()
         device = torch.stack([loss.detach().double(), grad_norm.detach().double(), flag])
-        routing = [moe.double()] if moe is not None else []
-        values = torch.cat([device[:1], on_host[:1], *routing, device[1:], on_host[1:]])  # SUMS, moe, MAXIMA
-        self._pending.append(_Pending(step, values, host))
+        routing = [values["moe"].double()] if "moe" in values else []
+        row = torch.cat([device[:1], on_host[:1], *routing, device[1:], on_host[1:]])  # SUMS, moe, MAXIMA
+        self._pending.append(_Pending(step, row, host))
 
     def due(self, steps_done: int) -> bool:
         return steps_done % self.every == 0

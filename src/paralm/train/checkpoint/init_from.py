@@ -29,8 +29,9 @@ from paralm.config.init_model import FREE
 from paralm.config.schema import Config
 from paralm.convert.lora import is_adapter
 from paralm.errors import UserError
+from paralm.models.config import to_flat
 from paralm.models.hf_folder import CONFIG_FILE, HFFolder, is_hf_folder, load_tensors, read_folder
-from paralm.models.registry import hf_spec, model_spec
+from paralm.models.registry import hf_spec, model_shape, model_spec
 from paralm.train.checkpoint.store import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
 
 
@@ -78,10 +79,11 @@ def _check_model(folder: HFFolder, config: Config) -> None:
     """The run builds the model the folder holds (a config given through the API skips `load_config`'s fill-in)."""
     origin = str(folder.path / CONFIG_FILE)
     fixed = hf_spec(folder.config.get("model_type"), origin).hf.config_from_hf(folder.config, origin)
-    for name, value in fixed.items():
-        if name not in FREE and getattr(config.model, name) != value:
+    given = to_flat(config.model)
+    for name, value in sorted(fixed.items(), key=lambda item: item[0] != "family"):  # another family first
+        if name not in FREE and given.get(name) != value:
             raise UserError(
-                f"model.{name} = {getattr(config.model, name)!r} but {origin} says {value!r}: "
+                f"model.{name} = {given.get(name)!r} but {origin} says {value!r}: "
                 "leave it out of the config (checkpoint.init_from fixes the model)"
             )
 
@@ -97,7 +99,7 @@ def _load_hf(folder: HFFolder, model: nn.Module, config: Config, group: dist.Pro
         set_model_state_dict(model, {k: whole[k] for k in state}, options=options)
         return
     target = {theirs: state[ours] for ours, theirs in pairs if ours in state}
-    if config.model.tie_embeddings:  # a last pipeline stage's copy of the tied embedding reads the embedding
+    if not model_shape(config.model).head_params:  # tied: a last pipeline stage's copy reads the embedding
         target |= {
             dict(pairs)[src]: state[copy] for copy, src in spec.tied.items() if copy in state and src not in state
         }

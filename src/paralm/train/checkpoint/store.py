@@ -17,7 +17,6 @@ layout. Loading unpickles nothing outside an allow-list (`paralm.train.checkpoin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
@@ -34,9 +33,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paralm.config.schema import CONFIG_FILE, REPLICA_GROUP_DIR, Config, ModelConfig, replica_group_dir
+from paralm.config.schema import (
+    CONFIG_FILE,
+    REPLICA_GROUP_DIR,
+    Config,
+    ModelConfig,
+    file_sections,
+    replica_group_dir,
+)
 from paralm.config.source import read_toml
 from paralm.errors import UserError
+from paralm.models.config import to_flat
 from paralm.parallel.runtime import Runtime
 from paralm.sync.base import TrainingState
 from paralm.train.checkpoint.integrity import MANIFEST_FILE, damage, write_manifest
@@ -240,7 +247,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 def checkpoint_model_config(path: Path) -> ModelConfig:
     """The model section of the config that wrote a checkpoint."""
-    return Config.from_dict(read_toml(path / CONFIG_FILE), source=str(path / CONFIG_FILE)).model
+    return Config.from_dict(file_sections(read_toml(path / CONFIG_FILE)), source=str(path / CONFIG_FILE)).model
 
 
 def check_compatible(path: Path, model: ModelConfig) -> None:
@@ -254,10 +261,11 @@ def check_compatible(path: Path, model: ModelConfig) -> None:
             f"(model.family = {saved.family!r} there, {model.family!r} here): a checkpoint loads only into "
             "its own family"
         )
+    there, here = to_flat(saved), to_flat(model)
     differing = [
-        f"model.{f.name} = {getattr(saved, f.name)!r} there, {getattr(model, f.name)!r} here"
-        for f in dataclasses.fields(ModelConfig)
-        if f.name != "dropout" and getattr(saved, f.name) != getattr(model, f.name)
+        f"model.{name} = {there[name]!r} there, {here[name]!r} here"
+        for name in here
+        if name != "dropout" and there[name] != here[name]
     ]
     if differing:
         raise UserError(f"checkpoint {path} holds a different model: {'; '.join(differing)}")
