@@ -116,6 +116,10 @@ def test_the_merged_run_gives_the_adapted_models_logits(base, tmp_path):
     [
         ("--train.lora_rank=-1", "train.lora_rank = -1"),
         ("--train.lora_targets=attn,wz", "'wz'"),
+        ("--train.lora_alpha=0", r"train\.lora_alpha = 0\.0 scales the adapters by 0"),
+        ("--train.lora_rank=0 --train.lora_targets=attn", r"train\.lora_targets is set but train\.lora_rank = 0"),
+        ("--train.lora_rank=0 --train.lora_alpha=32", r"train\.lora_alpha is set but train\.lora_rank = 0"),
+        ("--train.lora_rank=0 --train.lora_dropout=0.1", r"train\.lora_dropout is set but train\.lora_rank = 0"),
         ("--sync.mode=parameter_server", "parameter_server"),
         ("--model.moe_experts=4", "moe_experts"),
         ("--parallel.tp=2 --parallel.sequence_parallel=true", "parallel.sequence_parallel"),

@@ -2,6 +2,7 @@
 tokens stored beside the shards, and malformed chats as one-line errors with nothing written."""
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from paralm.data.shards import IGNORE, TokenDataset, read_meta
 from paralm.data.sources import TextFields
 from paralm.data.tokenize_pool import Encoding, encode_stream
 from paralm.errors import UserError
-from tests.chat_helpers import TEMPLATE, UNMARKED, chat_tokenizer, conversations
+from tests.chat_helpers import TEMPLATE, UNMARKED, chat_tokenizer, conversations, say
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +71,23 @@ def _write(path, rows):
     return str(path)
 
 
+USER = {"role": "user", "content": "the model"}
+
+
 @pytest.mark.parametrize(
     "rows, tokenizer, match",
     [
         ([{"text": "hi"}], "marked", r"chats\.jsonl:1 has no field 'messages'.*--messages-field"),
+        ([{"messages": []}], "marked", r"chats\.jsonl:1: 'messages' is an empty list: .*leave the row out"),
+        ([{"messages": [USER, {"role": "assistant", "content": None}]}], "marked", r":1: message 1's content is null"),
+        ([{"messages": [{"role": "user", "content": 3}]}], "marked", r"message 0's content \(int\) is neither text"),
+        (
+            [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}],
+            "marked",
+            r"chats\.jsonl:1: message 0 has a content part of type 'image_url': paralm trains on text only",
+        ),
+        ([{"messages": [{"role": "user", "content": [{"type": "text"}]}]}], "marked", r'text part without a "text"'),
+        ([{"messages": [{"role": "user", "content": ["hi"]}]}], "marked", r"content parts are not objects like"),
         ([{"messages": [{"content": "hi"}]}], "marked", r"chats\.jsonl:1: message 0 has no 'role'"),
         ([{"messages": [{"role": "user"}]}], "marked", r"message 0 has no 'content'"),
         (
@@ -81,12 +95,18 @@ def _write(path, rows):
             "marked",
             r"chats\.jsonl:1: the chat template .* rejects",
         ),
-        ([{"messages": [{"role": "user", "content": "hi"}]}], "plain", r"has no chat template"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], None, r"has no chat template"),
+        (
+            [{"messages": [USER]}],
+            "{% for m in messages %}{{ m['content'] }}{{ 1 / 0 }}{% endfor %}",
+            r"chats\.jsonl:1: the chat template of .*other fails on this conversation \(ZeroDivisionError: division",
+        ),
     ],
 )
 def test_malformed_chats_are_one_line_errors_and_nothing_is_written(folders, tmp_path, rows, tokenizer, match):
+    """`tokenizer`: the shared folder ("marked"), or one with this chat template (None: without one)."""
     root, marked, _ = folders
-    folder = marked if tokenizer == "marked" else chat_tokenizer(tmp_path / "plain", None)
+    folder = marked if tokenizer == "marked" else chat_tokenizer(tmp_path / "other", tokenizer)
     with pytest.raises(UserError, match=match) as error:
         prepare_dataset([_write(tmp_path / "chats.jsonl", rows)], str(tmp_path / "ds"), str(folder), 0, 0.1, chat=True)
     assert "\n" not in str(error.value)
@@ -171,3 +191,70 @@ def test_parquet_and_saved_datasets_prepare_as_the_jsonl_does(folders, tmp_path,
     assert np.array_equal(np.asarray(a.shards[0]), np.asarray(b.shards[0]))
     assert np.array_equal(np.asarray(a.masks[0]), np.asarray(b.masks[0]))
     assert np.array_equal(a.starts[0], b.starts[0])
+
+
+ANY_ROLE = TEMPLATE.replace("{{ raise_exception('unknown role ' + m['role']) }}", "")  # renders every role
+
+
+@pytest.mark.parametrize(
+    "roles, match",
+    [
+        (("human", "gpt"), r"roles human/gpt: paralm trains the turns of role 'assistant' .*map human to user, gpt to"),
+        (("user", "Assistant"), r"role Assistant: .*map Assistant to assistant"),
+        (("system", "user"), r"no message has role 'assistant' \(roles: system, user\)"),
+    ],
+)
+def test_chats_that_train_no_token_are_refused_and_the_last_dataset_kept(tmp_path, roles, match):
+    """Roles the template renders but does not train (ShareGPT's, a capital): refused naming the file and the
+    likely cause, nothing written, and the dataset prepared before at --out left as it was."""
+    folder = chat_tokenizer(tmp_path / "tok", ANY_ROLE)
+    good = [{"messages": c} for c in conversations(20)]
+    prepare_dataset([_write(tmp_path / "good.jsonl", good)], str(tmp_path / "ds"), str(folder), 0, 0.1, chat=True)
+    before = read_meta(tmp_path / "ds")
+    rows = [{"messages": [{"role": r, "content": say(random.Random(n), 5)} for r in roles]} for n in range(20)]
+    with pytest.raises(UserError, match=match) as error:
+        prepare_dataset([_write(tmp_path / "chats.jsonl", rows)], str(tmp_path / "ds"), str(folder), 0, 0.1, chat=True)
+    assert str(error.value).startswith(f"{tmp_path / 'chats.jsonl'}: no token to train on: ")
+    assert "\n" not in str(error.value)
+    assert read_meta(tmp_path / "ds") == before and not list(tmp_path.glob(".ds*"))
+
+
+@pytest.mark.parametrize("counted", ["per split", "both splits"])
+def test_training_refuses_a_prepared_dataset_with_no_trained_token(folders, tmp_path, counted):
+    """A dataset that trains no token (prepared before `prepare` refused one; meta.json then counted both
+    splits together): its train split is refused in one line, its validation split still reads."""
+    root, marked, _ = folders
+    prepare_dataset([str(root / "chats.jsonl")], str(tmp_path / "ds"), str(marked), 0, 0.1, chat=True)
+    meta = read_meta(tmp_path / "ds")
+    assert meta["splits"]["train"]["trained_tokens"] + meta["splits"]["val"]["trained_tokens"] == meta["trained_tokens"]
+    if counted == "per split":
+        meta["splits"]["train"]["trained_tokens"] = 0
+    else:
+        meta["trained_tokens"] = 0
+        for split in meta["splits"].values():
+            del split["trained_tokens"]
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"ds: no token of its train split is an assistant's") as error:
+        TokenDataset(tmp_path / "ds", "train", 16)
+    assert "\n" not in str(error.value)
+    TokenDataset(tmp_path / "ds", "val", 16)
+
+
+def test_content_parts_train_as_their_joined_text(folders, tmp_path):
+    """A content given as text parts (`[{"type": "text", "text": ...}, ...]`) is their text joined, as chat
+    templates join them: the same tokens and mask as the plain string, not the list's Python repr."""
+    _, marked, _ = folders
+    chats = conversations(20)
+    parts = [
+        [{**m, "content": [{"type": "text", "text": w + " "} for w in m["content"].split(" ")]} for m in c]
+        for c in chats
+    ]
+    for c in parts:
+        for m in c:
+            m["content"][-1]["text"] = m["content"][-1]["text"][:-1]
+    for name, rows in (("plain", chats), ("parts", parts)):
+        path = _write(tmp_path / f"{name}.jsonl", [{"messages": c} for c in rows])
+        prepare_dataset([path], str(tmp_path / name), str(marked), 0, 0.1, chat=True)
+    a, b = TokenDataset(tmp_path / "plain", "train", 16), TokenDataset(tmp_path / "parts", "train", 16)
+    assert np.array_equal(np.asarray(a.shards[0]), np.asarray(b.shards[0]))
+    assert np.array_equal(np.asarray(a.masks[0]), np.asarray(b.masks[0]))

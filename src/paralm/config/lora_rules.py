@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paralm.config.schema import Config
+from paralm.config.schema import Config, TrainConfig
 from paralm.errors import UserError
 from paralm.models.moe_config import moe_options
 from paralm.models.registry import model_spec
@@ -22,7 +22,13 @@ def check_lora(config: Config) -> None:
     if not 0 <= t.lora_dropout < 1:
         raise UserError(f"train.lora_dropout = {t.lora_dropout} must be in [0, 1)")
     if t.lora_rank == 0:
+        _check_lora_off(t)
         return
+    if t.lora_alpha == 0:
+        raise UserError(
+            f"train.lora_alpha = {t.lora_alpha} scales the adapters by 0, so nothing trains: "
+            f"set it above 0 (default {TrainConfig.lora_alpha})"
+        )
     known = lora_target_names(config)
     unknown = [name for name in t.lora_targets if name not in known]
     if unknown:
@@ -46,3 +52,19 @@ def check_lora(config: Config) -> None:
     for setting, on in refused.items():
         if on:
             raise UserError(f"train.lora_rank > 0 does not compose with {setting} yet: train without one of them")
+
+
+def _check_lora_off(t: TrainConfig) -> None:
+    """With `train.lora_rank = 0` the run is a full fine-tune: a LoRA setting given there was meant for
+    adapters that will not exist."""
+    unused = {
+        "train.lora_targets": t.lora_targets != [],
+        "train.lora_alpha": t.lora_alpha != TrainConfig.lora_alpha,
+        "train.lora_dropout": t.lora_dropout != TrainConfig.lora_dropout,
+    }
+    for name, given in unused.items():
+        if given:
+            raise UserError(
+                f"{name} is set but train.lora_rank = 0 (LoRA off: every weight would train): "
+                f"set train.lora_rank > 0 for adapters, or drop {name} for a full fine-tune"
+            )

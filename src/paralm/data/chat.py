@@ -61,9 +61,12 @@ class Chat:
 
 
 def check_messages(messages: object, where: str, field: str) -> list[dict]:
-    """The messages of a row, or a user error naming the row and what is wrong."""
-    if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: {field!r} is not a non-empty list of messages: set --messages-field")
+    """The messages of a row, each content as text, or a user error naming the row and what is wrong."""
+    if isinstance(messages, list) and not messages:
+        raise UserError(f"{where}: {field!r} is an empty list: a conversation needs messages; leave the row out")
+    if not isinstance(messages, list):
+        raise UserError(f"{where}: {field!r} is not a list of messages: set --messages-field")
+    checked = []
     for number, message in enumerate(messages):
         missing = [k for k in ("role", "content") if not isinstance(message, dict) or k not in message]
         if missing:
@@ -73,7 +76,29 @@ def check_messages(messages: object, where: str, field: str) -> list[dict]:
             )
         if not isinstance(message["role"], str):
             raise UserError(f"{where}: message {number}'s role is not a string: fix the row")
-    return messages
+        content = message["content"]
+        if not isinstance(content, str):
+            message = {**message, "content": _text(content, f"{where}: message {number}")}
+        checked.append(message)
+    return checked
+
+
+def _text(content: object, where: str) -> str:
+    """A message's content parts as one text (their text parts joined, as chat templates join them)."""
+    if content is None:
+        raise UserError(f"{where}'s content is null: give it text, or leave the message out")
+    if not isinstance(content, list):
+        raise UserError(f"{where}'s content ({type(content).__name__}) is neither text nor a list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise UserError(f'{where}\'s content parts are not objects like {{"type": "text", "text": ...}}')
+        if part.get("type", "text") != "text":
+            raise UserError(f"{where} has a content part of type {part['type']!r}: paralm trains on text only")
+        if not isinstance(part.get("text"), str):
+            raise UserError(f'{where} has a text part without a "text" string: fix the row')
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 class ChatRenderer:
@@ -97,7 +122,12 @@ class ChatRenderer:
             return self.tokenizer.apply_chat_template(messages, **options)
         except TemplateError as e:
             raise UserError(
-                f"{where}: the chat template of {self.directory} rejects this conversation ({e}): fix the row"
+                f"{where}: the chat template of {self.directory} rejects this conversation ({_line(e)}): fix the row"
+            ) from None
+        except Exception as e:  # the template is the user's code: what it raises is about it or the row
+            raise UserError(
+                f"{where}: the chat template of {self.directory} fails on this conversation "
+                f"({type(e).__name__}: {_line(e)}): fix the template or the row"
             ) from None
 
     def encode(self, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
@@ -141,6 +171,11 @@ def overlap_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
     for start, end in spans:
         mask |= (edges[:, 0] < end) & (edges[:, 1] > start)
     return mask.astype(np.uint8)
+
+
+def _line(error: Exception) -> str:
+    """An error's message on one line."""
+    return " ".join(str(error).split())
 
 
 def _load(directory: Path):

@@ -16,7 +16,7 @@ from paralm.config.mixture import Source, parse_mixture
 from paralm.config.schema import DataConfig
 from paralm.data.chat import LONG_POLICIES, Chat, LengthLimit
 from paralm.data.corpus import default_corpus
-from paralm.data.counting import Progress, Unique
+from paralm.data.counting import Progress, Roles, Unique
 from paralm.data.shards import (
     FORMAT_VERSION,
     MARKER,
@@ -46,11 +46,13 @@ def write_dataset(
     dedup: bool = False,
     chat_dir: Path | None = None,
     limit: LengthLimit | None = None,
+    roles: Roles | None = None,
 ) -> dict:
     """Tokenize each document (streamed, in `workers` processes) and split it: its first
     (1 - val_fraction) tokens go to train, the rest to validation. Conversations (`chat_dir`: the
     tokenizer folder whose chat template renders them) are stored with their loss masks, those over `limit`
-    cut or left out before the split. Every document then feeds both
+    cut or left out before the split; if the mask marks no train token, nothing is written and the error
+    says why (from `roles`, the conversations' role counts). Every document then feeds both
     splits in proportion, which keeps the validation set representative for single-file corpora too.
     Written into a temporary folder and renamed, so an interrupted run never leaves a folder that looks
     complete (and the next run removes what it left)."""
@@ -72,7 +74,6 @@ def write_dataset(
         for encoded in encode_stream(encoding, unique or documents, workers):
             for name, split in (("train", encoded.train), ("val", encoded.val)):
                 writers[name].write(split.tokens, split.starts, split.mask)
-                progress.trained += int(split.mask.sum()) if chat else 0
             progress.update(encoded)
         progress.close()
         for writer in writers.values():
@@ -81,6 +82,8 @@ def write_dataset(
             raise UserError(f"every conversation is longer than --max-tokens {limit.max_tokens}: raise it")
         if progress.documents == 0:
             raise UserError("the inputs hold no documents: check --input (and --text-field / --text-column)")
+        if chat and not writers["train"].trained:
+            raise UserError(roles.untrained() if roles else "no conversation has a token to train on")
         tokenizer.save(tmp)
         meta = {
             MARKER[0]: MARKER[1],
@@ -93,9 +96,12 @@ def write_dataset(
             "val_fraction": val_fraction,
             "document_starts": True,
             "loss_mask": chat,
-            **({"trained_tokens": progress.trained} if chat else {}),
+            **({"trained_tokens": sum(w.trained for w in writers.values())} if chat else {}),
             **({"long_conversations": progress.long_record(limit)} if limit else {}),
-            "splits": {s: {"shards": w.shards, "tokens": w.tokens} for s, w in writers.items()},
+            "splits": {
+                s: {"shards": w.shards, "tokens": w.tokens, **({"trained_tokens": w.trained} if chat else {})}
+                for s, w in writers.items()
+            },
             "shard_tokens": {
                 name: (tmp / name).stat().st_size // dtype.itemsize for w in writers.values() for name in w.shards
             },
@@ -206,9 +212,9 @@ def prepare_dataset(
 
         renderer = ChatRenderer(Path(tokenizer))  # refuses a tokenizer without a template before reading
         made = make_tokenizer(tokenizer, vocab_size, lambda: ())
-        chats = iter_chats(paths, fields)
+        chats = Roles(iter_chats(paths, fields), paths)
         meta = write_dataset(
-            chats, Path(out), made, val_fraction, workers=workers, chat_dir=renderer.directory, limit=limit
+            chats, Path(out), made, val_fraction, workers=workers, chat_dir=renderer.directory, limit=limit, roles=chats
         )
         record = meta.get("long_conversations")
         if record and record["count"]:

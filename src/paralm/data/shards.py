@@ -64,7 +64,7 @@ class ShardWriter:
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
         self.masked = masked
         self.shards: list[str] = []
-        self.tokens = 0
+        self.tokens = self.trained = 0  # trained: tokens the loss mask marks
         self._files: list = []
         self._in_shard = 0
 
@@ -81,6 +81,7 @@ class ShardWriter:
             (here + self._in_shard).tofile(self._files[1])
             if self.masked:
                 mask[:take].astype(np.uint8, copy=False).tofile(self._files[2])
+                self.trained += int(np.count_nonzero(mask[:take]))
                 mask = mask[take:]
             self._in_shard += take
             self.tokens += take
@@ -116,6 +117,19 @@ def read_meta(directory: Path) -> dict:
     return meta
 
 
+def check_trains(directory: Path, meta: dict) -> None:
+    """Chat data whose train split the loss mask marks no token of: a run on it would log loss 0 and learn
+    nothing. The count is meta.json's (per split since it was kept so; before, for both splits together)."""
+    if not meta.get("loss_mask"):
+        return
+    trained = meta["splits"]["train"].get("trained_tokens", meta.get("trained_tokens"))
+    if trained == 0:
+        raise UserError(
+            f"{directory}: no token of its train split is an assistant's (trained_tokens 0 in {META_FILE}), so "
+            "training would learn nothing: prepare it again from conversations with role 'assistant' turns"
+        )
+
+
 def written_by_paralm(meta: object) -> bool:
     """Whether a parsed meta.json is one paralm's `data prepare` wrote: it has the marker, or (written
     before the marker) exactly the fields that version wrote, at format 1."""
@@ -141,6 +155,8 @@ class TokenDataset:
                 self.starts.append(np.fromfile(self.directory / companion(name, DOCS_SUFFIX), dtype=np.int64))
             if self.has_loss_mask:
                 self.masks.append(_mapped(self.directory / companion(name, MASK_SUFFIX), np.dtype(np.uint8), expected))
+        if split == "train":
+            check_trains(self.directory, self.meta)
         windows = [max(len(s) - block_size, 0) for s in self.shards]
         self._ends = np.cumsum(windows)
         if self.num_windows == 0:

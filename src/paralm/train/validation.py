@@ -35,23 +35,29 @@ def validation_loss(
     batch (`ParallelPlan.eval_loss` in training), `model` is switched to evaluation mode meanwhile.
 
     The windows are split over data-parallel ranks and their loss sums added up, so the result is
-    the same for any number of ranks. With a loss mask only the trained targets count, each alike.
+    the same for any number of ranks; every rank runs the same number of forwards (ZeRO-3's are
+    collectives). With a loss mask only the trained targets count, each alike.
     """
     windows = sample_windows(seed + EVAL_SEED_OFFSET, 0, samples, dataset.num_windows)
-    if runtime is not None:
-        windows = windows[runtime.dp_rank :: runtime.dims.dp]
+    dp, dp_rank = (1, 0) if runtime is None else (runtime.dims.dp, runtime.dp_rank)
+    mine = windows[dp_rank::dp]
+    # Every rank runs as many forwards as the rank with the most windows (rank 0), batches without a trained
+    # target included: under ZeRO-3 each forward gathers parameters with the other ranks, so a rank that ran
+    # one fewer would leave them waiting. A padding batch (any windows) and an untrained batch weigh nothing.
+    forwards = -(-len(windows[::dp]) // micro_batch_size)
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
-    for start in range(0, len(windows), micro_batch_size):
-        chosen = windows[start : start + micro_batch_size]
+    for start in range(0, forwards * micro_batch_size, micro_batch_size):
+        chosen = mine[start : start + micro_batch_size]
+        padding = len(chosen) == 0
+        if padding:  # this rank is out of windows: any will do, weighted 0
+            chosen = windows[:1]
         x, y = dataset.batch(chosen)
         documents = dataset.documents(chosen).to(device) if document_mask else None
-        scored = int((y != IGNORE).sum())
-        if scored == 0:  # a batch without a trained target (its mean would be NaN)
-            continue
-        loss = batch_loss(x.to(device), y.to(device), documents)
-        if loss is not None:  # None on pipeline ranks without the last stage: they add nothing
+        scored = 0 if padding else int((y != IGNORE).sum())
+        loss = batch_loss(x.to(device), y.to(device), documents)  # NaN without a trained target: not added
+        if loss is not None and scored:  # None on pipeline ranks without the last stage: they add nothing
             total += torch.stack([loss.double() * scored, torch.tensor(scored, dtype=torch.float64, device=device)])
     model.train(was_training)
     if runtime is not None:
