@@ -99,7 +99,9 @@ class StepEngine:
         batch = StepBatch()
         if data.has_loss_mask:
             batch.trained = data.trained_tokens(seed, start, self.layout.global_batch)
-            replicas = self.runtime.dims.grad_replicas * self.config.sync.replica_groups
+            # the gradients averaged into one update: of the ranks the layout splits the batch over (every
+            # replica group's; an asynchronous parameter-server worker's batch is its own), each with its cp ranks
+            replicas = self.layout.dp_size * self.runtime.dims.cp
             batch.loss_tokens = max(batch.trained, 1) / replicas
         for first in self.layout.micro_batch_starts(start, self.dp_rank):
             micro = [*data.sample(seed, first, size)]
