@@ -20,7 +20,9 @@ import torch
 
 from paralm.cli import main
 from paralm.config.load import load_config
+from paralm.models.registry import model_spec
 from paralm.runs import load_trained_model
+from paralm.train.checkpoint.init_from import load_init
 from tests.helpers import read_metrics
 from tests.hf_helpers import LOGIT_TOLERANCE
 from tests.multiprocess import run_ranks
@@ -140,6 +142,19 @@ def _damage(folder, how: str) -> None:
         config = json.loads((folder / "config.json").read_text())
         config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
         (folder / "config.json").write_text(json.dumps(config))
+    elif how == "escaping":  # the last shard moved beside the folder, the index naming it there
+        shutil.move(folder / last, folder.parent / last)
+        index["weight_map"] = {k: f"../{v}" if v == last else v for k, v in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index))
+    elif how == "lying-header":  # a shape twice its data's size, the offsets unchanged
+        shard = folder / last
+        data = shard.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + length])
+        name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2)
+        header[name]["shape"][0] *= 2
+        text = json.dumps(header).encode()
+        shard.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
 
 
 @pytest.mark.parametrize(
@@ -150,21 +165,59 @@ def _damage(folder, how: str) -> None:
         ("truncated", "is truncated"),
         ("misplaced", "which does not hold it"),
         ("dynamic-rope", "rope_type = 'dynamic'"),
+        ("escaping", "names the shard ../model-00007-of-00007.safetensors, outside"),
+        ("lying-header", "model-00007-of-00007.safetensors: its header does not match its data"),
     ],
 )
 def test_bad_folders_are_one_line_and_write_nothing(tmp_path, capsys, how, fragment):
     hf = tmp_path / "hf"
     save_far_from_init(hf, "qwen2")
     _damage(hf, how)
+    there = sorted(tmp_path.iterdir())
     capsys.readouterr()
     assert main(["import", "--hf", str(hf), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert sorted(tmp_path.iterdir()) == there
     assert main(["train", f"--checkpoint.init_from={hf}", f"--run.dir={tmp_path / 'run'}", *FINE_TUNE]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
+    assert sorted(tmp_path.iterdir()) == there
+
+
+def test_a_config_json_larger_than_its_weights_is_refused_before_anything_is_allocated(tmp_path, capsys):
+    """2 billion tokens of 48 (768 GB of embedding and head): `init_from` compares the parameters config.json
+    describes with the shards' before the run builds its model; `import` builds it from the folder's tensors
+    and refuses the first shape they do not have."""
+    hf = tmp_path / "hf"
+    save_far_from_init(hf, "qwen2")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(config | {"vocab_size": 2_000_000_000}))
+    capsys.readouterr()
+    assert main(["train", f"--checkpoint.init_from={hf}", f"--run.dir={tmp_path / 'run'}", *FINE_TUNE]) == 2
+    err = capsys.readouterr().err
+    assert "config.json describes a model of 192,000,047,728 parameters but" in err and err.count("\n") == 1, err
+    assert main(["import", "--hf", str(hf), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "size mismatch for output.weight" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_model_safetensors_beside_shards_is_read_as_transformers_reads_it(tmp_path):
+    """A stale one-file save left beside a sharded one: transformers' `from_pretrained` reads the one file, and
+    so do `paralm import` and `checkpoint.init_from` (torch's reader alone would also list the shards)."""
+    from safetensors.torch import save_file
+
+    hf, run = tmp_path / "hf", tmp_path / "run"
+    save_far_from_init(hf, "qwen2")
+    save_file({k: v + 0.5 for k, v in weights(hf).items()}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["import", "--hf", str(hf), "--out", str(run)]) == 0
+    assert logits_diff(hf, run) <= LOGIT_TOLERANCE
+    config = load_config(None, [f"--checkpoint.init_from={hf}", f"--run.dir={tmp_path / 'x'}"], init_model=True)
+    model = model_spec(config.model).build(config.model)
+    load_init(str(hf), model, config, None, None)
+    imported = load_trained_model(run).model.state_dict()
+    assert all(torch.equal(v, imported[k]) for k, v in model.state_dict().items())
 
 
 def test_init_from_starts_where_the_import_does_and_resume_wins(tmp_path, capsys):

@@ -12,19 +12,20 @@ from typing import Any
 from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.config import to_flat
-from paralm.models.hf_folder import CONFIG_FILE, is_hf_folder, read_folder
-from paralm.models.registry import hf_spec
+from paralm.models.hf_folder import CONFIG_FILE, check_holds, is_hf_folder, model_fields, read_folder
 
 FREE = ("dropout",)  # fields a config may set whatever the folder says
 
 
 def init_model_fields(source: str) -> dict[str, Any]:
-    """The `[model]` fields the HF folder `source` fixes ({} when `source` is not an HF folder)."""
+    """The `[model]` fields the HF folder `source` fixes ({} when `source` is not an HF folder), checked against
+    the sizes of its tensors."""
     if not source or not is_hf_folder(source):
         return {}
     folder = read_folder(source, "checkpoint.init_from")
-    origin = str(folder.path / CONFIG_FILE)
-    return hf_spec(folder.config.get("model_type"), origin).hf.config_from_hf(folder.config, origin)
+    fields = model_fields(folder)
+    check_holds(folder, fields)  # before any rank allocates the model
+    return fields
 
 
 def with_init_model(raw: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:

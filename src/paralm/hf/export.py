@@ -28,8 +28,8 @@ from paralm.errors import UserError
 from paralm.hf.shards import parse_size, write_weights
 from paralm.models.config import ModelConfig, to_flat
 from paralm.models.hf_folder import CONFIG_FILE as HF_CONFIG_FILE
-from paralm.models.hf_folder import load_tensors, read_folder
-from paralm.models.registry import hf_spec, model_shape, model_spec
+from paralm.models.hf_folder import load_tensors, model_fields, read_folder
+from paralm.models.registry import family_spec, model_shape, model_spec
 from paralm.models.spec import ModelSpec, StateDict, retie, tied_parameters
 from paralm.parallel.runtime import init_runtime
 from paralm.runs import load_trained_model
@@ -186,17 +186,15 @@ def import_hf(hf_dir: str, out: str, config_path: str | None, overrides: list[st
     """Create a run directory whose step-0 checkpoint holds the HF model's weights; returns a summary."""
     hf_path, out_dir = Path(hf_dir), Path(out)
     folder = read_folder(hf_path)
-    hf_config = folder.config
-    source = str(hf_path / HF_CONFIG_FILE)
-    spec = hf_spec(hf_config.get("model_type"), source)
-    model_fields = spec.hf.config_from_hf(hf_config, source)
-    model_args = [f"--model.{k}={v}" for k, v in model_fields.items()]
+    fields = model_fields(folder)
+    spec = family_spec(fields["family"])
+    model_args = [f"--model.{k}={v}" for k, v in fields.items()]
     with atomic_folder(out_dir) as tmp:
         base = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *overrides])
         data_args, data_note = _data_overrides(hf_path, tmp, out_dir, base.data.val_fraction)
         config = load_config(config_path, [*model_args, f"--run.dir={out_dir}", *data_args, *overrides])
         resolved = to_flat(config.model)
-        changed = [k for k, v in model_fields.items() if k != "dropout" and v != resolved[k]]
+        changed = [k for k, v in fields.items() if k != "dropout" and v != resolved[k]]
         if changed:
             raise UserError(f"model.{changed[0]} is fixed by the imported model's {HF_CONFIG_FILE}: do not override it")
         state = spec.hf.from_hf(load_tensors(folder), config.model, folder.source)  # the folder's dict is let go

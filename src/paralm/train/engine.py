@@ -29,8 +29,8 @@ from paralm.parallel.parallelize import parallelize
 from paralm.parallel.precision import LossScaler
 from paralm.parallel.runtime import Runtime
 from paralm.sync.choose import build_sync
-from paralm.train.checkpoint.init_from import init_source, load_init
-from paralm.train.checkpoint.masked import MaskedState, saved_masks
+from paralm.train.checkpoint.init_from import init_checkpoint, init_source, load_init
+from paralm.train.checkpoint.masked import MaskedState, run_masks
 from paralm.train.checkpoint.store import checkpoint_to_resume, load_checkpoint
 from paralm.train.validation import validation_loss
 
@@ -61,7 +61,8 @@ class StepEngine:
         self.sync = build_sync(self.plan, config)  # how replicas agree (`paralm.sync`)
         self.resume_from = checkpoint_to_resume(config)
         self.init_from = init_source(config, self.resume_from)  # a new run's weights: another model's
-        pruned = saved_masks(self.resume_from)  # a pruned run keeps its masks (`paralm prune`)
+        # a pruned run keeps its masks (`paralm prune`), and so does a run started from one
+        pruned = run_masks(config, self.resume_from or init_checkpoint(self.init_from))
         self.masks = Masks(self.plan.model, pruned) if pruned else None
         self.hooks = after_step_hooks(self.plan.model, self.runtime.dp_group, self.masks)
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
@@ -88,7 +89,7 @@ class StepEngine:
         `checkpoint.init_from`'s weights where it names some)."""
         path = self.resume_from
         if path is None and self.init_from:
-            load_init(self.init_from, self.plan.model, self.config, self.runtime.group)
+            load_init(self.init_from, self.plan.model, self.config, self.runtime.group, self.masks)
         return None if path is None else load_checkpoint(path, state, self.runtime.group)
 
     def step_batch(self, start: int = 0) -> StepBatch:
