@@ -141,11 +141,15 @@ def test_bad_requests_are_one_line_errors_and_write_nothing(tmp_path):
 
 def test_the_parameter_server_refuses_a_pruned_run(tmp_path):
     """Its servers step the parameters without the masks: the pruned weights would grow back (seen: all 512
-    of a layer's after 4 steps), so a pruned run is refused in one line; a dense run is not."""
+    of a layer's after 4 steps), so a pruned run, or one started from a pruned run, is refused in one line; a
+    dense run is not."""
     out = _pruned_run(tmp_path, "magnitude")
     with pytest.raises(UserError, match="pruned run: the parameter server does not keep pruning masks"):
         refuse_pruned(load_config(str(out / CONFIG_FILE), ["--sync.mode=parameter_server"]))
     refuse_pruned(load_config(str(tmp_path / "base" / CONFIG_FILE), ["--sync.mode=parameter_server"]))
+    started_from = ["--sync.mode=parameter_server", f"--checkpoint.init_from={out}", f"--run.dir={tmp_path / 'ps'}"]
+    with pytest.raises(UserError, match="pruned run: the parameter server does not keep pruning masks"):
+        refuse_pruned(load_config(str(tmp_path / "base" / CONFIG_FILE), started_from))
 
 
 @pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])

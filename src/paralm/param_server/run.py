@@ -12,6 +12,7 @@ from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import LEAD
 from paralm.param_server.server import Server
 from paralm.param_server.worker import Worker
+from paralm.train.checkpoint.init_from import init_checkpoint, init_source
 from paralm.train.checkpoint.masked import saved_masks
 from paralm.train.checkpoint.store import checkpoint_to_resume
 from paralm.train.engine import StepEngine
@@ -32,9 +33,12 @@ def run_parameter_server(config: Config, runtime: Runtime) -> None:
 
 
 def refuse_pruned(config: Config) -> None:
-    """The servers step the parameters and keep no pruning masks: a pruned run's weights would grow back."""
-    if saved_masks(checkpoint_to_resume(config)):
+    """The servers step the parameters and keep no pruning masks: a pruned run's weights would grow back, the
+    run's own or those of the pruned run `checkpoint.init_from` starts it from."""
+    resume_from = checkpoint_to_resume(config)
+    checkpoint = resume_from or init_checkpoint(init_source(config, resume_from))
+    if saved_masks(checkpoint):
         raise UserError(
-            f"{config.run.dir} is a pruned run: the parameter server does not keep pruning masks, so pruned "
+            f"{checkpoint} is a pruned run: the parameter server does not keep pruning masks, so pruned "
             "weights would grow back; fine-tune it with sync.mode = 'allreduce' (DDP or FSDP keep them)"
         )
