@@ -190,3 +190,15 @@ def test_a_user_error_inside_the_workers_is_printed_once_with_exit_2(trained_run
     )  # fmt: skip
     assert_user_error(result, "holds a different model")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_export_help_names_every_architecture_the_families_map_to(capsys):
+    """`paralm --help`'s export line names each Hugging Face `model_type` a family exports or imports."""
+    from paralm.models.registry import FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = "".join(capsys.readouterr().out.split()).lower().replace("-", "")
+    export = text[text.index("export") :]
+    types = [t for spec in FAMILIES.values() for t in (spec.hf.model_type, *spec.hf.related)]
+    assert [t for t in types if t.replace("_", "") not in export] == []
