@@ -64,6 +64,14 @@ def conversations(count: int) -> list[list[dict]]:
     return chats
 
 
+def chat_dataset(root, count: int = 150):
+    """`count` conversations rendered with TEMPLATE and prepared as a dataset with loss masks, in `root`."""
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(count)))
+    tokenizer = chat_tokenizer(root / "tok", TEMPLATE)
+    prepare_dataset([str(root / "chats.jsonl")], str(root / "ds"), str(tokenizer), 0, 0.1, chat=True)
+    return root / "ds"
+
+
 _RUN = {}
 REPLY = ("no", "yes")
 

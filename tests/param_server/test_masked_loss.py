@@ -5,16 +5,13 @@ Tolerances: the worker and the process run the same forward and backward on the 
 fp32 rounding of the same sums (1e-6 on a loss near 5.7, 1e-5 relative on a gradient norm).
 """
 
-import json
-
 import pytest
 import torch
 
-from paralm.data.prepare import prepare_dataset
 from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.engine import StepEngine
-from tests.chat_helpers import TEMPLATE, chat_tokenizer, conversations
+from tests.chat_helpers import chat_dataset
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 
@@ -42,14 +39,12 @@ def _one_process(config, starts) -> list[tuple[float, float]]:
 def test_an_asynchronous_update_is_one_processs_step_on_the_workers_batch(tmp_path):
     root = tmp_path / "sft"
     root.mkdir()
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(150)))
-    tokenizer = chat_tokenizer(root / "tok", TEMPLATE)
-    prepare_dataset([str(root / "chats.jsonl")], str(root / "ds"), str(tokenizer), 0, 0.1, chat=True)
+    data = chat_dataset(root)
     sync = {"mode": "parameter_server", "ps_servers": 1, "ps_async": True}
     config = tiny_config(
         tmp_path / "async",
         model={"vocab_size": 300},
-        data={"path": str(root / "ds")},
+        data={"path": str(data)},
         train={"steps": 1, "micro_batch_size": 4},
         sync=sync,
     )

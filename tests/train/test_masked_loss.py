@@ -5,30 +5,22 @@ Tolerances: the layouts add the same per-token losses and gradients in another o
 only (about 5e-7 seen on losses near 5.7): within 1e-5 over 3 AdamW steps, 1e-6 on one step's loss.
 """
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from paralm.data.prepare import prepare_dataset
 from paralm.data.shards import IGNORE
 from paralm.job import train
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.trainer import Trainer
-from tests.chat_helpers import TEMPLATE, chat_tokenizer, conversations
+from tests.chat_helpers import chat_dataset
 from tests.helpers import read_metrics, tiny_config
 from tests.multiprocess import run_ranks
 
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(150)))
-    prepare_dataset(
-        [str(root / "chats.jsonl")], str(root / "ds"), str(chat_tokenizer(root / "tok", TEMPLATE)), 0, 0.1, chat=True
-    )
-    return root / "ds"
+    return chat_dataset(tmp_path_factory.mktemp("sft"))
 
 
 def _config(run_dir, data, parallel=None, document_mask=False, model=None, **train_fields):

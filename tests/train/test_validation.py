@@ -5,20 +5,18 @@ Tolerances: the ranks add the same per-window losses grouped in other batches, f
 1e-7 on losses near 5.7): 1e-6 relative.
 """
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from paralm.data.prepare import prepare_dataset
 from paralm.data.sampler import sample_windows
 from paralm.data.shards import IGNORE, TokenDataset
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.engine import StepEngine
 from paralm.train.validation import EVAL_SEED_OFFSET, validation_loss
-from tests.chat_helpers import TEMPLATE, chat_tokenizer, conversations
+from tests.chat_helpers import chat_dataset
 from tests.helpers import tiny_config
 from tests.multiprocess import run_ranks
 
@@ -84,12 +82,7 @@ def test_every_rank_runs_the_same_forwards_and_the_loss_is_one_processs(dp, samp
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(150)))
-    prepare_dataset(
-        [str(root / "chats.jsonl")], str(root / "ds"), str(chat_tokenizer(root / "tok", TEMPLATE)), 0, 0.1, chat=True
-    )
-    return root / "ds"
+    return chat_dataset(tmp_path_factory.mktemp("sft"))
 
 
 # (eval_samples, micro_batch_size): the 11th window trains no token, so rank 0 has one batch fewer to score

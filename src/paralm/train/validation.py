@@ -3,6 +3,7 @@ with it, and so does `paralm eval`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -44,7 +45,7 @@ def validation_loss(
     # Every rank runs as many forwards as the rank with the most windows (rank 0), batches without a trained
     # target included: under ZeRO-3 each forward gathers parameters with the other ranks, so a rank that ran
     # one fewer would leave them waiting. A padding batch (any windows) and an untrained batch weigh nothing.
-    forwards = -(-len(windows[::dp]) // micro_batch_size)
+    forwards = math.ceil(math.ceil(len(windows) / dp) / micro_batch_size)  # rank 0 holds the most windows
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
