@@ -117,7 +117,7 @@ def _init_from(folder: str, zero: int) -> tuple[float, float]:
     runtime.barrier()
     before = rss_mib()
     started = time.perf_counter()
-    load_init(folder, plan.model, config, runtime.group)
+    load_init(folder, plan.model, config, runtime.group, masks=None)
     runtime.barrier()
     return before, started
 

@@ -176,7 +176,7 @@ class SyncConfig:
     ft_group: int = option(0, "fault_tolerant: this group's index, 0 .. ft_groups - 1")
     ft_min_groups: int = option(1, "fault_tolerant: groups that must take part for a step to commit")
     ft_lighthouse: str = option("", "fault_tolerant: the torchft lighthouse's address; empty: $TORCHFT_LIGHTHOUSE")
-    ft_timeout_s: float = option(30.0, "fault_tolerant: seconds a quorum or a cross-group collective waits")
+    ft_timeout_s: float = option(30.0, "fault_tolerant: seconds a cross-group collective waits (a quorum: twice that)")
     ft_bind: str = option(
         "",
         "fault_tolerant: the address torchft's manager and checkpoint servers listen on; empty: every interface "

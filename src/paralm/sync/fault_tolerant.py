@@ -110,7 +110,9 @@ def _manager(runtime: Runtime, sync: SyncConfig, lighthouse: str, store: tuple[s
         min_replica_size=sync.ft_min_groups,
         use_async_quorum=False,  # heal before the step's forward, so the loop goes on from the peer's position
         timeout=timeout,
-        quorum_timeout=timeout,
+        # a peer can spend `timeout` failing a collective (or connecting to a group that lost a member) before
+        # it asks for the next quorum: a group waiting only as long gives up just as that peer arrives
+        quorum_timeout=2 * timeout,
         connect_timeout=timeout,
         rank=runtime.rank,
         world_size=runtime.world_size,
