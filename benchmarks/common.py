@@ -29,8 +29,11 @@ TINY_CONFIGS = {
 }
 
 
-def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: int = 2) -> dict[str, float]:
-    """Median per-step metrics of a fresh `paralm train` run, skipping its first `warmup_steps` steps."""
+def train_metrics(
+    args: list[str], threads: int, nproc: int = 1, warmup_steps: int = 2, metrics_file: str = "metrics.jsonl"
+) -> dict[str, float]:
+    """Median per-step metrics of a fresh `paralm train` run, skipping its first `warmup_steps` steps; read
+    from `metrics_file` in the run folder (`--replicas`: group 0's, `group-0/metrics.jsonl`)."""
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         command = [
@@ -46,7 +49,7 @@ def train_metrics(args: list[str], threads: int, nproc: int = 1, warmup_steps: i
             "--train.eval_samples=8",
         ]
         subprocess.run(command, check=True, env=env, capture_output=True, text=True)
-        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (Path(run_dir) / metrics_file).read_text().splitlines()]
     rows = rows[warmup_steps:]
     # a key is summarised when every row has a number for it (fp16 logs no grad norm on a skipped step)
     numeric = [key for key in rows[0] if key != "step" and all(isinstance(row.get(key), (int, float)) for row in rows)]

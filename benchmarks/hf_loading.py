@@ -51,7 +51,8 @@ def generate(folder: Path, mb: float, shards: int) -> int:
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in spec.build(config).state_dict().items()}
     generator = torch.Generator().manual_seed(0)
-    tensors = {theirs: torch.randn(shapes[ours], generator=generator) * 0.02 for ours, theirs in spec.hf.names(config)}
+    weights = {name: torch.randn(shape, generator=generator) * 0.02 for name, shape in shapes.items()}
+    tensors = spec.hf.to_hf(weights, config)
     total = sum(t.numel() * 4 for t in tensors.values())
     folder.mkdir(parents=True)
     write_weights(tensors, folder, total // shards + 1)

@@ -1,5 +1,5 @@
-"""What watching costs a step: the step watch (two clock readings, a forward hook, a thread waking every
-second) and the slowest/fastest figures in the metrics collective, on vs off, on 2 forked CPU ranks.
+"""What watching costs a step: the step watch (wall and CPU clock readings, a thread waking every second)
+and the slowest/fastest figures in the metrics collective, on vs off, on 2 forked CPU ranks.
 
     python benchmarks/observe_overhead.py [--steps 20] [--rounds 5] [--d-model 128] [--n-layer 2]
 
@@ -32,9 +32,9 @@ from paralm.train.trainer import Trainer
 
 
 class NullObserver(RunObserver):
-    """Watches nothing: no thread, no hook, no clock readings; zeros in the metrics columns."""
+    """Watches nothing: no thread, no clock readings; zeros in the metrics columns."""
 
-    def attach(self, runtime: Any, module: object) -> None:
+    def attach(self, runtime: Any) -> None:
         pass
 
     def started(self, step: int) -> None:

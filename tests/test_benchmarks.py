@@ -56,8 +56,9 @@ ARGS = {
         *("--families", "gpt2", "--schemes", "int8-dynamic-int4-weight", "--seeds", "1"),
         *("--steps", "2", "--finetune-steps", "1", "--n-layer", "1", "--d-model", "32", "--eval-samples", "8"),
     ],
-    # the script runs (its one-process path in the GPT-2 rows); every row runs in benchmarks, not CI
-    "gpu_check.py": ["--rows", "ZeRO-3"],
+    # the script runs (its one-process path in the GPT-2 rows, and its row that is not one training run); every
+    # row runs in benchmarks, not CI
+    "gpu_check.py": ["--rows", "ZeRO-3", "quantize int8-weight, then eval"],
     "generate_cache.py": [
         "--new-tokens",
         "4",
@@ -76,6 +77,10 @@ ARGS = {
     "muon.py": [
         *("--parts", "share", "parity", "--layouts", "zero3", "--share-steps", "1", "--parity-steps", "1"),
         *("--block", "32", "--batch", "2"),
+    ],
+    "loss_head.py": [
+        *("--vocabs", "1000", "--impls", "chunked", "fused"),
+        *("--n-layer", "1", "--block", "32", "--repeats", "1"),
     ],
     "observe_overhead.py": ["--steps", "1", "--rounds", "1", "--d-model", "32", "--n-layer", "1"],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],

@@ -110,3 +110,14 @@ def test_torchft_servers_listen_on_the_address_they_are_given():
             transport.shutdown()
         server.shutdown()
         lighthouse.shutdown()
+
+
+def test_torch_says_when_it_compiles_until_the_callbacks_are_removed():
+    seen = []
+    remove = compat.on_compile(lambda: seen.append("start"), lambda: seen.append("end"))
+    try:
+        torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    finally:
+        remove()
+    torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
+    assert seen == ["start", "end"]

@@ -138,6 +138,8 @@ def _verify(args: argparse.Namespace, overrides: list[str]) -> int:
     refuse_overrides("verify", overrides)
     if args.nproc < 2:
         raise UserError(f"--nproc {args.nproc}: verify compares layouts of at least 2 ranks with one process")
+    if args.work and not Path(args.work).is_dir():
+        raise UserError(f"--work {args.work}: no such folder; create it, or leave --work out for the system's")
     only = [word.strip() for word in (args.only or "").split(",") if word.strip()]
     with tempfile.TemporaryDirectory(prefix="paralm-verify-", dir=args.work) as work:
         families = [word.strip() for word in args.family.split(",")] if args.family else None

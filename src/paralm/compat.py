@@ -9,7 +9,7 @@ import contextlib
 import json
 import socket
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -48,6 +48,7 @@ __all__ = [
     "flatten_mesh",
     "flight_recorder",
     "init_fake_process_group",
+    "on_compile",
     "record_cuda_memory_history",
     "replicate",
     "resolve_process_group",
@@ -226,6 +227,31 @@ def flight_recorder() -> dict[str, Any]:
     return json.loads(_dump_fr_trace_json(True, False))
 
 
+def on_compile(start: Callable[[], None], end: Callable[[], None]) -> Callable[[], None]:
+    """Have torch call `start` when it begins compiling (dynamo tracing a frame, a backward compiled when first
+    run, CUDA graphs recorded) and `end` when it is done, nested compilations once; returns the function that
+    removes them. Dynamo's compile callbacks are torch's only signal of it (`torch.compiler` exports none);
+    `torch._dynamo.reset()` drops them."""
+    from torch._dynamo.callback import callback_handler
+
+    def started(_: object) -> None:
+        start()
+
+    def ended(_: object) -> None:
+        end()
+
+    callback_handler.register_start_callback(started)
+    callback_handler.register_end_callback(ended)
+
+    def remove() -> None:
+        if started in callback_handler.start_callbacks:
+            callback_handler.remove_start_callback(started)
+        if ended in callback_handler.end_callbacks:
+            callback_handler.remove_end_callback(ended)
+
+    return remove
+
+
 def record_cuda_memory_history(on: bool) -> None:
     """Start (or stop) recording every CUDA allocation with its stack; no public API in torch 2.13."""
     torch.cuda.memory._record_memory_history(max_entries=100_000 if on else 0, enabled="all" if on else None)
@@ -241,6 +267,14 @@ def capture_scalar_outputs() -> None:
     into the graph rather than stop there: the experts' split sizes where the grouped kernel does not run,
     and expert parallelism's all-to-all splits. Dynamo's config module is the only switch for it."""
     torch._dynamo.config.capture_scalar_outputs = True
+
+
+def compile_counters() -> tuple[int, int]:
+    """(graphs compiled, graph breaks met) by `torch.compile` in this process so far. Dynamo's counters are
+    its only record of either (torch's own tests read them); each break is counted once, when compiled."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 class SumGradients(ParallelStyle):

@@ -49,6 +49,8 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["--model.n_head=3"], "divisible by model.n_head"),
         (["--model.family=gpt5"], "model.family = 'gpt5' is not a model family: use one of gpt2"),
         (["--train.micro_batch_size=0"], "train.micro_batch_size = 0 must be at least 1"),
+        (["--train.loss_impl=bogus"], "train.loss_impl = 'bogus' is not one of auto | plain | chunked | fused"),
+        (["--train.loss_chunks=0"], "train.loss_chunks = 0 must be at least 1"),
         (["train.steps=3"], "overrides look like --section.field=value"),
         (["--train.steps"], "needs a value"),
         (  # torchft averages on the device: offloaded shards would reach its NCCL group from the host

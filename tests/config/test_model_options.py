@@ -16,7 +16,7 @@ from paralm.models.gpt2 import GPT2Config
 from paralm.models.llama import LlamaConfig
 from paralm.models.moe_config import MoEConfig, moe_options
 from paralm.models.registry import model_config
-from paralm.train.checkpoint.store import checkpoint_model_config
+from paralm.train.checkpoint.choose import checkpoint_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSEEK = ["--model.family=deepseek", "--model.kv_lora_rank=16", "--model.qk_rope_head_dim=8"]

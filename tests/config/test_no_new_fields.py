@@ -10,7 +10,9 @@ from paralm.config.schema import Config
 from paralm.models.config import flat_fields
 from paralm.models.registry import FAMILIES
 
-COMMON_MODEL = ["family", "n_layer", "n_head", "d_model", "block_size", "vocab_size", "dropout"]
+COMMON_MODEL = [
+    "family", "n_layer", "n_head", "d_model", "block_size", "vocab_size", "dropout", "attention_backend",
+]  # fmt: skip
 MOE = [
     "moe_experts", "moe_top_k", "moe_norm_topk", "moe_every", "moe_shared_expert", "moe_score", "moe_aux_loss",
     "moe_bias_balance", "moe_bias_rate", "moe_z_loss", "moe_first_dense", "moe_routed_scale", "moe_groups",
@@ -25,7 +27,8 @@ SECTIONS = {
         "steps", "micro_batch_size", "grad_accum", "global_batch_size", "seed", "optimizer", "lr", "min_lr",
         "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "muon_momentum", "muon_ns_steps",
         "muon_ns_dtype", "grad_clip", "eval_every", "eval_samples", "activation_checkpointing", "ac_every", "compile",
-        "qat", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "max_bad_steps",
+        "cuda_graphs", "qat", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "max_bad_steps", "loss_impl",
+        "loss_chunks",
     ],
     "parallel": [
         "dp", "dp_replicate", "dp_shard", "zero", "cpu_offload", "shard_grads_every_microstep", "tp",

@@ -1,6 +1,7 @@
 """LoRA (`train.lora_rank`): step 0 is the base model, only the adapters train (the base holds no gradient and
-no optimizer state), a resume continues exactly, 2-rank DDP and ZeRO-3 match one process, and the merged model (what
-export, eval and generate read) gives the adapted model's logits.
+no optimizer state), a resume continues exactly, 2-rank DDP, ZeRO-3, pipeline and TP (each rank holding the adapter
+slices its weight's implies) match one process, and the merged model (what export, eval and generate read) gives the
+adapted model's logits.
 
 Tolerances: the merged weight W + s B A rounds differently from W x + s B (A x): 1e-5 on logits of order 1.
 DDP adds the same gradients in another order (fp32 rounding): 1e-5 on losses over 3 steps, as the masked loss.
@@ -10,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from paralm.config.load import load_config
 from paralm.convert.lora import LoRALinear, apply_lora, merge_lora
@@ -22,6 +24,7 @@ from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
 from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, tiny_config, widened
 from tests.multiprocess import run_ranks
+from tests.parallel.model_parallel import train_looking
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0}
 
@@ -131,8 +134,14 @@ def test_settings_lora_cannot_run_are_one_line_errors(override, says):
         load_config(None, overrides)
 
 
-def _train(config):
-    train(config)
+def _local_shapes(trainer: Trainer) -> list[tuple[torch.Size, ...]]:
+    """Each adapted layer's weight shape, and on this rank the shapes of its weight's, A's and B's slices."""
+    layers = [m for m in trainer.engine.model.modules() if isinstance(m, LoRALinear)]
+    return [(m.weight.shape, *(_local(p).shape for p in (m.weight, m.lora_a, m.lora_b))) for m in layers]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @pytest.mark.slow
@@ -142,8 +151,10 @@ def _train(config):
     ids=["ddp", "zero3", "pp2", "tp2"],
 )
 def test_two_ranks_match_one_process(base, tmp_path, parallel):
-    """DDP, ZeRO-3 (FSDP2 groups holding frozen weights and trainable adapters alike), and 2 pipeline stages
-    (each stage's adapters on its own rank; the whole batch, split into pipeline micro-batches)."""
+    """DDP, ZeRO-3 (FSDP2 groups holding frozen weights and trainable adapters alike), 2 pipeline stages
+    (each stage's adapters on its own rank; the whole batch, split into pipeline micro-batches), and TP: each
+    rank holds the adapters' slices its weight's slice implies (B A on a rank is the shape of W there: B split
+    by rows beside a column-parallel W, A by columns beside a row-parallel one)."""
     single = _lora(tmp_path / "single", base)
     ranks = tiny_config(
         tmp_path / "ranks",
@@ -152,5 +163,10 @@ def test_two_ranks_match_one_process(base, tmp_path, parallel):
         parallel=parallel,
     )
     train(single)
-    run_ranks(_train, 2, tmp_path, ranks)
+    shapes = run_ranks(train_looking, 2, tmp_path, ranks, _local_shapes)[0]
     assert max(abs(a - b) for a, b in zip(_losses(single.run.dir), _losses(ranks.run.dir), strict=True)) < 1e-5
+    if "tp" in parallel:
+        assert len(shapes) == 6 * ranks.model.n_layer
+        split = {tuple(d for d in (0, 1) if w[d] < whole[d]) for whole, w, _, _ in shapes}
+        assert split == {(0,), (1,)}  # every weight split once: column-wise (outputs) or row-wise (inputs)
+        assert all((b[0], a[1]) == w for _, w, a, b in shapes)

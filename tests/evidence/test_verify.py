@@ -4,7 +4,7 @@ import pytest
 
 from paralm.cli import main
 from paralm.evidence.matrix import GLOBAL_BATCH, CheckedLayout, exact_layouts
-from paralm.evidence.verify import Matrix, check_exact, table, verify
+from paralm.evidence.verify import Matrix, check_exact, table, topk_bytes, verify
 
 
 @pytest.mark.slow
@@ -53,11 +53,12 @@ def test_the_matrix_grows_with_the_ranks_and_only_selects_by_name():
     assert [x.name for x in two if x.matches(["zero"])] == ["zero1", "zero2", "zero3"]
 
 
-def test_verify_refuses_one_rank_and_selections_that_select_nothing(capsys):
+def test_verify_refuses_one_rank_selections_that_select_nothing_and_a_missing_work_folder(capsys, tmp_path):
     assert main(["verify", "--nproc", "1"]) == 2
     assert main(["verify", "--nproc", "2", "--only", "nothing-like-this"]) == 2
     assert main(["verify", "--nproc", "2", "--family", "bert"]) == 2
-    assert capsys.readouterr().err.count("paralm: error:") == 3
+    assert main(["verify", "--nproc", "2", "--work", str(tmp_path / "absent")]) == 2
+    assert capsys.readouterr().err.count("paralm: error:") == 4
 
 
 @pytest.mark.slow
@@ -96,3 +97,13 @@ def test_verify_holds_the_deepseek_family_and_skips_what_its_rules_refuse(tmp_pa
     assert [v.layout for v in verdicts] == ["zero3", "tp2-sp", "pp2-zbv_zero_bubble", "ep2-moe"]
     assert all(v.holds and max(v.loss_gap, v.weight_gap) <= 1e-5 for v in verdicts), table(verdicts)
     assert any(line.startswith("  skipped deepseek cp2-ring: parallel.cp > 1") for line in lines), lines
+
+
+@pytest.mark.slow
+def test_topk_holds_deepseek_to_k_per_bucket_beside_its_router_bias_traffic(tmp_path):
+    """Beside its gradient, a DeepSeek step sends its own traffic (DDP's broadcast of the loss-free router bias,
+    the all-reduce of tokens per expert): top-k keeps it and sends at most k values and indices per bucket."""
+    verdict = topk_bytes(Matrix(tmp_path, echo=lambda _: None, family="deepseek"), 2)
+    assert verdict.holds, table([verdict])
+    # 3 MoE layers x 4 experts in fp32: 48 B of bias broadcast by rank 0, 48 B of loads all-reduced by each rank
+    assert "plain DDP's besides its all-reduce [144, " in verdict.measured, verdict.measured

@@ -26,7 +26,7 @@ from paralm.train.checkpoint.init_from import load_init
 from tests.helpers import read_metrics
 from tests.hf_helpers import LOGIT_TOLERANCE
 from tests.multiprocess import run_ranks
-from tests.parallel.model_parallel import train_each
+from tests.parallel.model_parallel import full_parameters, train_looking
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,7 +282,8 @@ def test_a_vocabulary_larger_than_the_model_is_one_line(tmp_path, capsys):
 def test_round_trip_through_a_sharded_layout(tmp_path, name, parallel):
     """Import (Qwen3, Mixtral: init_from straight into TP shards, or experts split by ep and sharded by ZeRO-3),
     2 steps on 2 ranks (TP: biases column-sharded, q/k norms replicated with their gradients summed; ZeRO-3;
-    ep), export: transformers computes paralm's logits (exports broken at EP > 1 are a known failure elsewhere)."""
+    ep), export: transformers computes paralm's logits (exports broken at EP > 1 are a known failure elsewhere).
+    Before the first step the ranks' shards, gathered, are exactly the weights one process imports."""
     hf, run = tmp_path / "hf", tmp_path / "run"
     save_far_from_init(hf, name)
     overrides = [*FINE_TUNE, f"--run.dir={run}", *(f"--parallel.{k}={v}" for k, v in parallel.items())]
@@ -291,7 +292,10 @@ def test_round_trip_through_a_sharded_layout(tmp_path, name, parallel):
     else:
         assert main(["import", "--hf", str(hf), "--out", str(run)]) == 0
         config = load_config(run / "config.toml", overrides)
-    run_ranks(train_each, 2, tmp_path, [config])
+    started = run_ranks(train_looking, 2, tmp_path, config, full_parameters)[0]
+    assert main(["import", "--hf", str(hf), "--out", str(tmp_path / "imported")]) == 0
+    expected = dict(load_trained_model(tmp_path / "imported").model.named_parameters())
+    assert started.keys() == expected.keys() and all(torch.equal(started[k], v) for k, v in expected.items())
     assert [r["step"] for r in read_metrics(run)] == [0, 1]
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "back")]) == 0
     assert logits_diff(tmp_path / "back", run) <= LOGIT_TOLERANCE

@@ -20,7 +20,14 @@ from paralm.models.deepseek_spec import SPEC
 from paralm.models.kv_cache import KVCache
 from paralm.models.registry import model_config
 from tests.helpers import tiny_config
-from tests.hf_helpers import LOGIT_TOLERANCE, assert_import_is_the_same_model_and_fine_tunes, assert_same_logits, export
+from tests.hf_helpers import (
+    LOGIT_TOLERANCE,
+    assert_a_saved_model_imports_with_the_same_logits_and_trains,
+    assert_import_is_the_same_model_and_fine_tunes,
+    assert_import_refused,
+    assert_same_logits,
+    export,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,9 +47,10 @@ DEEPSEEK = dict(
 
 
 @torch.no_grad()
-def _random_transformers(q_lora_rank: int | None) -> torch.nn.Module:
+def _random_transformers(q_lora_rank: int | None, **fields) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF, q_lora_rank=q_lora_rank)).eval()
+    config = transformers.DeepseekV3Config(**(HF | fields), q_lora_rank=q_lora_rank)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
     for name, param in model.named_parameters():
         param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.3)
     for name, buffer in model.named_buffers():
@@ -68,6 +76,29 @@ def test_a_transformers_deepseek_v3_maps_both_ways_with_the_same_logits(q_lora_r
     assert all(torch.equal(saved[k], exported[k]) for k in saved)
     fields = SPEC.hf.config_from_hf(SPEC.hf.config_to_hf(config), "config.json")  # the config maps back too
     assert {k: to_flat(config)[k] for k in fields} == fields
+
+
+def test_given_head_widths_free_d_model_from_n_head(tmp_path):
+    """MLA's heads are qk_nope + qk_rope and v_head_dim wide, not d_model / n_head: 44 wide with 5 heads imports
+    from transformers with its logits and trains."""
+    shape = dict(hidden_size=44, num_attention_heads=5, num_key_value_heads=5, vocab_size=256)  # bytes' vocabulary
+    _random_transformers(None, **shape).save_pretrained(tmp_path / "hf")
+    assert_a_saved_model_imports_with_the_same_logits_and_trains(tmp_path / "hf", tmp_path / "run")
+
+
+def test_a_head_width_left_to_d_model_needs_n_head_to_divide_it(tmp_path):
+    shape = {"d_model": 44, "n_head": 5}
+    validate(tiny_config(tmp_path / "x", model=DEEPSEEK | shape))
+    with pytest.raises(UserError, match=r"model.d_model = 44 must be divisible .*: set model.qk_nope_head_dim, or"):
+        validate(tiny_config(tmp_path / "x", model=DEEPSEEK | shape | {"qk_nope_head_dim": 0}))
+
+
+def test_a_refusal_of_a_config_json_names_it(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    _random_transformers(None).save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(config | {"qk_rope_head_dim": 3}))
+    assert_import_refused(hf, tmp_path / "run", capsys, f"{hf / 'config.json'}: model.qk_rope_head_dim = 3 must be")
 
 
 def test_generation_with_the_cache_matches_the_whole_sequence() -> None:

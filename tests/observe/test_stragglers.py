@@ -1,8 +1,19 @@
-"""A persistent straggler is named from the metrics rows: once, and again only when another rank takes over."""
+"""A persistent straggler is named from the metrics rows: once, and again only when another rank takes over;
+a rank slower in its forward is named under layouts whose forward communicates from the first layer."""
+
+import time
 
 import pytest
 
+import paralm.train.engine
+from paralm.job import train
+from paralm.models.registry import model_spec
 from paralm.observe.stragglers import WINDOW, StragglerWatch, decode, encode, persistent_straggler
+from paralm.train.metrics import MetricsLogger
+from tests.helpers import read_metrics, tiny_config
+from tests.multiprocess import run_ranks
+
+SLOWER_S = 0.3  # CPU seconds the slow rank spends more per step
 
 
 def test_the_encoding_finds_the_slowest_and_the_spread_by_maxima_alone():
@@ -40,3 +51,41 @@ def test_the_warning_comes_once_then_again_when_the_straggler_changes():
     assert lines[0][1].startswith("warning: rank 1 is the slowest in 8 of the last 8 steps (by 0.30 s on average")
     assert "rank 2 is the slowest in 5 of the last 8" in lines[1][1]
     assert watch.review({"step": 0, "loss": 1.0}) is None  # a single process's rows carry no figures
+
+
+def _compute(*_: object) -> None:
+    """Work on the CPU for `SLOWER_S` of this thread's CPU time, however loaded the machine is."""
+    end = time.thread_time() + SLOWER_S
+    while time.thread_time() < end:
+        pass
+
+
+def _train_with_rank_1_slower(config) -> list[str]:
+    """Rank 1's last block computes longer in every forward, well after the forward's first collective; what
+    rank 0's log says."""
+    said: list[str] = []
+
+    def parallelize(model, runtime, config):
+        plan = parallelize_plainly(model, runtime, config)
+        if runtime.rank == 1:
+            blocks = model.get_submodule(model_spec(config.model).blocks)
+            list(blocks.values())[-1].register_forward_hook(_compute)
+        return plan
+
+    with pytest.MonkeyPatch.context() as patch:
+        parallelize_plainly = paralm.train.engine.parallelize
+        patch.setattr(paralm.train.engine, "parallelize", parallelize)
+        patch.setattr(MetricsLogger, "message", lambda self, text: said.append(text))
+        train(config)
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"zero": 3}, {"tp": 2}], ids=["zero3", "tp2"])
+def test_a_rank_slower_past_the_first_collective_is_named(tmp_path, parallel):
+    config = tiny_config(tmp_path / "run", train={"steps": WINDOW + 1, "micro_batch_size": 2}, parallel=parallel)
+    said = run_ranks(_train_with_rank_1_slower, 2, tmp_path, config)[0]
+    warnings = [line for line in said if line.startswith("warning: rank")]
+    assert warnings and warnings[0].startswith("warning: rank 1 is the slowest in"), said
+    spreads = [row["step_time_spread"] for row in read_metrics(config.run.dir)[1:]]
+    assert sorted(spreads)[len(spreads) // 2] == pytest.approx(SLOWER_S, abs=0.1)  # the median step's lead

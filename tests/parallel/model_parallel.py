@@ -14,14 +14,19 @@ from paralm.train.trainer import Trainer
 from tests.helpers import read_metrics, runtime_for
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor`, gathered whole where it is sharded (collective)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's gradients by parameter name, sharded ones gathered whole."""
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-            grads[name] = grad.detach().clone()
-    return grads
+    return {name: _whole(param.grad) for name, param in model.named_parameters() if param.grad is not None}
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The trainer's parameters by name, sharded ones gathered whole (a `train_looking` look)."""
+    return {name: _whole(param) for name, param in trainer.engine.model.named_parameters()}
 
 
 # Given a trainer before its first step, what a test wants to know of that step: a function called after it.
@@ -53,6 +58,17 @@ def gradients_then_training(configs: list[Config], watch: Watch | None = None) -
 
 def train_on(config: Config, runtime: Runtime) -> None:
     Trainer(config, runtime).fit()
+
+
+def train_looking(config: Config, look: Callable[[Trainer], Any]) -> Any:
+    """Train `config` in a process group of its own; returns what `look` saw of the trainer before its first
+    step, once the model holds its starting weights (a checkpoint's, or `checkpoint.init_from`'s)."""
+    runtime = init_runtime(config.parallel, config.sync)
+    trainer = Trainer(config, runtime)
+    seen = look(trainer)
+    trainer.fit()
+    shutdown(runtime)
+    return seen
 
 
 def train_each(configs: list[Config]) -> None:

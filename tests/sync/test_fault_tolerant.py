@@ -2,11 +2,13 @@
 the same global batch; with one group killed (-9) mid-run, the others step on without a restart, the
 group is started again, heals from a peer and ends with their weights."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,29 +46,73 @@ def _finish(job: subprocess.Popen) -> str:
     return out + err
 
 
+def _finish_listening(job: subprocess.Popen) -> tuple[str, set[str]]:
+    """`_finish`, and every address the job's processes listened on meanwhile (looked at every 10 ms)."""
+    import psutil
+
+    addresses: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        launcher = psutil.Process(job.pid)
+        while not done.is_set():
+            with contextlib.suppress(psutil.Error):
+                for process in (launcher, *launcher.children(recursive=True)):
+                    with contextlib.suppress(psutil.Error):
+                        listening = [c for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+                        addresses.update(c.laddr.ip for c in listening)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        return _finish(job), addresses
+    finally:
+        done.set()
+        watcher.join()
+
+
 def _rows(run_dir: Path) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
+def _trained_targets(data: Path, step: int) -> list[int]:
+    """The targets the loss mask trains on in each group's half of `step`'s batch (2 groups of 4 samples)."""
+    from paralm.config.load import load_config
+    from paralm.data.mixture import MixedData
+    from paralm.data.prepare import data_sources
+
+    config = load_config(None, [f"--data.path={data}"])
+    train = MixedData(data_sources(config.data), "train", 32)
+    return [train.trained_tokens(config.train.seed, 8 * step + 4 * g, 4) for g in range(2)]
+
+
 @pytest.mark.parametrize(
-    "inside", [(), ("--nproc", "2", "--parallel.zero=3")], ids=["one-rank-groups", "zero3-groups-of-two"]
+    "inside", [(), ("--nproc", "2", "--parallel.zero=3")], ids=["one-rank-groups-chat", "zero3-groups-of-two"]
 )
 def test_undisturbed_groups_equal_one_process(tmp_path, inside):
     """Two groups (one rank each, or two ranks sharding with ZeRO-3: hybrid sharding across groups), each
-    reading half of every batch, average their gradients through torchft: the mean of their losses is one
-    process's loss on the whole batch, every step, and both end with its validation loss (groups training
-    alone would part from it after the first step)."""
-    steps = ["--train.steps=4", "--train.eval_every=4"]
+    reading half of every batch, average their gradients through torchft: each logs the loss of its half,
+    their mean (weighted by the targets each trained on, under chat data's loss mask) is one process's loss
+    on the whole batch, every step, and both end with its validation loss (groups training alone would part
+    from it after the first step). The one-rank groups train on chat data: each group's loss is the mean
+    over its own trained targets, as one process's loss is over the whole batch's."""
+    from tests.chat_helpers import chat_dataset
+
+    data = [] if inside else [f"--data.path={chat_dataset(tmp_path)}", "--model.vocab_size=300"]
+    steps = ["--train.steps=4", "--train.eval_every=4", *data]
     groups = _train(tmp_path / "ft", *steps, "--replicas", "2", "--sync.ft_min_groups=2", *inside)
     _finish(_train(tmp_path / "one", *steps, f"--train.grad_accum={2 * (2 if inside else 1)}"))
     _finish(groups)
     one = _rows(tmp_path / "one")
     halves = [_rows(tmp_path / "ft" / f"group-{g}") for g in range(2)]
     assert [r["step"] for r in one] == [r["step"] for r in halves[0]] == [r["step"] for r in halves[1]] == [0, 1, 2, 3]
-    for whole, a, b in zip(one, *halves, strict=True):
+    trained = [_trained_targets(tmp_path / "ds", r["step"]) if data else [1, 1] for r in one]
+    assert not data or any(ta != tb for ta, tb in trained)  # halves of unequal weight: a wrong mean shows
+    for whole, a, b, (ta, tb) in zip(one, *halves, trained, strict=True):
         assert a["replica_groups"] == b["replica_groups"] == 2
-        assert (a["loss"] + b["loss"]) / 2 == pytest.approx(whole["loss"], abs=1e-5)
+        assert (ta * a["loss"] + tb * b["loss"]) / (ta + tb) == pytest.approx(whole["loss"], abs=1e-5)
         assert a["loss"] != pytest.approx(b["loss"], abs=1e-3)  # the groups did read different halves
     assert halves[0][-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], abs=1e-5)
     assert halves[1][-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], abs=1e-5)
@@ -139,14 +185,16 @@ def test_killed_group_is_restarted_and_heals(tmp_path):
 def test_groups_resume_from_the_run_folders_checkpoint(tmp_path):
     """A run trained without replicas (or imported, or pruned) and continued with `--replicas 2` goes on from
     its checkpoint in every group, says so once per group, and the finished replica run reads back as a run
-    (`paralm eval`, `export`, `generate` load it through `load_trained_model`)."""
+    (`paralm eval`, `export`, `generate` load it through `load_trained_model`). Every server of the job
+    (lighthouse, each group's store, manager and checkpoint transport) listens on loopback alone."""
     from paralm.runs import load_trained_model
 
     _finish(_train(tmp_path, "--train.steps=2", "--train.eval_every=0"))
     # both groups take part in the step (ft_min_groups=2): with 1, a group that starts late on a loaded machine
     # finds the step committed by the other and heals at the end, logging none
     replicas = ["--replicas", "2", "--sync.ft_min_groups=2"]
-    out = _finish(_train(tmp_path, "--train.steps=3", "--train.eval_every=0", *replicas))
+    out, listened = _finish_listening(_train(tmp_path, "--train.steps=3", "--train.eval_every=0", *replicas))
+    assert listened == {"127.0.0.1"}
     assert "replica group 0 resumes from" in out and "step_000002" in out
     assert "[INFO]" not in out  # torchft's per-step lines stay quiet unless --ft-log
     for g in range(2):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from paralm.data.sampler import sample_windows
 from paralm.data.shards import IGNORE, TokenDataset
+from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.train.engine import StepEngine
 from paralm.train.validation import EVAL_SEED_OFFSET, validation_loss
@@ -55,7 +56,8 @@ def _ranks_loss(dataset, dp: int, samples: int, micro_batch_size: int) -> tuple[
     counts, totals = [], []
     for rank in range(dp):
         forwards: list[int] = []
-        runtime = SimpleNamespace(dims=SimpleNamespace(dp=dp), dp_rank=rank, all_reduce=totals.append)
+        dims = SimpleNamespace(dp=dp, tp=1, cp=1)
+        runtime = SimpleNamespace(dims=dims, dp_rank=rank, all_reduce=totals.append)
         model, score = torch.nn.Linear(1, 1), _scorer(forwards)
         validation_loss(model, score, dataset, runtime, samples, micro_batch_size, SEED, torch.device("cpu"))
         counts.append(len(forwards))
@@ -103,22 +105,43 @@ def _validation_losses(config) -> list[tuple[float, int]]:
     return losses
 
 
+def _config(chat_data, run_dir, parallel: dict | None = None):
+    return tiny_config(run_dir, model={"vocab_size": 300}, data={"path": str(chat_data)}, parallel=parallel or {})
+
+
+def _ranks_and_one(chat_data, tmp_path, parallel: dict) -> tuple[list, list]:
+    """(loss, tokens) for each of CASES on 2 ranks under `parallel` (the same on both), and on one process."""
+    ranks = run_ranks(_validation_losses, 2, tmp_path, _config(chat_data, tmp_path / "ranks", parallel))
+    assert ranks[0] == ranks[1]
+    return ranks[0], _validation_losses(_config(chat_data, tmp_path / "one"))
+
+
+def _targets(chat_data, samples: int) -> torch.Tensor:
+    """The targets of the first `samples` validation windows."""
+    config = _config(chat_data, "unused")
+    dataset = TokenDataset(chat_data, "val", config.model.block_size)
+    return dataset.batch(sample_windows(config.train.seed + EVAL_SEED_OFFSET, 0, samples, dataset.num_windows))[1]
+
+
 @pytest.mark.slow
 def test_zero3_validation_finishes_with_one_processs_loss(chat_data, tmp_path):
     """2 ZeRO-3 ranks, whose forwards all-gather the parameters, on chat data; a rank that ran fewer forwards
     would leave the other waiting until `parallel.timeout_s`."""
-    config = tiny_config(
-        tmp_path / "ranks",
-        model={"vocab_size": 300},
-        data={"path": str(chat_data)},
-        parallel={"zero": 3, "timeout_s": 20},
-    )
-    dataset = TokenDataset(chat_data, "val", config.model.block_size)
-    _, y = dataset.batch(sample_windows(config.train.seed + EVAL_SEED_OFFSET, 0, 12, dataset.num_windows))
-    assert (y != IGNORE).sum(1)[10] == 0  # the window the chat case is about
-    ranks = run_ranks(_validation_losses, 2, tmp_path, config)
-    config.parallel.zero = 0
-    one = _validation_losses(config)
-    assert ranks[0] == ranks[1]
-    for (loss, tokens), (one_loss, one_tokens) in zip(ranks[0], one, strict=True):
+    assert (_targets(chat_data, 12) != IGNORE).sum(1)[10] == 0  # the window the chat case is about
+    ranks, one = _ranks_and_one(chat_data, tmp_path, {"zero": 3, "timeout_s": 20})
+    for (loss, tokens), (one_loss, one_tokens) in zip(ranks, one, strict=True):
         assert tokens == one_tokens and loss == pytest.approx(one_loss, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_context_parallel_validation_is_one_processs_loss(chat_data, tmp_path):
+    """2 cp ranks, each scoring its half of every window's positions, on chat data. The 3rd window's trained
+    targets all fall in rank 0's half and CASES' first scores it alone: a rank that averaged its own half would
+    give 0/0 (NaN) there, and halves averaged as equals weigh targets unequally. Ring attention adds in another
+    order than one process: fp32 rounding, 1e-5."""
+    y = _targets(chat_data, 12)[2]
+    half = SequenceShard(1, 2, zigzag=True).positions(len(y), torch.device("cpu"))
+    assert (y != IGNORE).any() and (y[half] == IGNORE).all()
+    ranks, one = _ranks_and_one(chat_data, tmp_path, {"cp": 2, "timeout_s": 20})
+    for (loss, tokens), (one_loss, one_tokens) in zip(ranks, one, strict=True):
+        assert tokens == one_tokens and loss == pytest.approx(one_loss, abs=1e-5)

@@ -1,5 +1,6 @@
 """The rules about settings that cannot run, each naming the field and the fix: here, with the sync
-modes' in `paralm.config.sync_rules` and MoE's in `paralm.config.moe_rules`, which this module applies.
+modes' in `paralm.config.sync_rules`, MoE's in `paralm.config.moe_rules` and compile's in
+`paralm.config.compile_rules`, which this module applies.
 
 `validate` applies those that need only the config (`paralm.config.load` calls it); the
 others need a fact known later (the world size, the tokenizer) and are called where it is known.
@@ -9,11 +10,10 @@ refused when none fits, by `paralm.config.degrees`. The planner proposes only la
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from paralm.config.compile_rules import check_compile_layout
 from paralm.config.degrees import num_stages, pipeline_microbatches, resolve_data_parallel
 from paralm.config.dims import ParallelDims
 from paralm.config.lora_rules import check_lora
@@ -40,6 +40,7 @@ def validate(config: Config) -> None:
         "train.grad_accum": t.grad_accum,
         "train.eval_samples": t.eval_samples,
         "train.max_bad_steps": t.max_bad_steps,
+        "train.loss_chunks": t.loss_chunks,
     }
     _each(positive, lambda value: value >= 1, "must be at least 1")
     _each(
@@ -58,14 +59,13 @@ def validate(config: Config) -> None:
         lambda value: value >= 0,
         "must not be negative",
     )
-    if m.d_model % m.n_head:
-        raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout = {m.dropout} must be in [0, 1)")
     model_spec(m).check(m)  # an unknown family, or a shape the family cannot build
     check_moe(m)
     check_moe_layout(config)
     check_lora(config)
+    check_compile_layout(config)
     if not 0 < config.data.val_fraction < 1:
         raise UserError(f"data.val_fraction = {config.data.val_fraction} must be in (0, 1)")
     if config.data.mixture:
@@ -310,12 +310,6 @@ def check_vocab_size(config: Config, tokenizer_vocab: int, data_dir: Path) -> No
             f"model.vocab_size = {config.model.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer_vocab} ({data_dir}): set model.vocab_size >= {tokenizer_vocab}"
         )
-
-
-def check_compile(config: Config, device_type: str) -> None:
-    """Inductor generates C++ for CPUs: without a compiler, `train.compile` fails deep inside torch."""
-    if config.train.compile and device_type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++")):
-        raise UserError("train.compile = true needs a C++ compiler on CPUs (g++, or $CXX): install one or drop it")
 
 
 def check_parameter_server(config: Config, device_type: str) -> None:

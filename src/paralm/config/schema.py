@@ -31,9 +31,12 @@ def replica_group_dir(run_dir: str | Path, group: int) -> Path:
     return Path(run_dir) / REPLICA_GROUP_DIR.format(group)
 
 
-def option(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A config field: its default, a one-line help, and optionally the allowed values."""
-    metadata = {"help": help, "choices": choices}
+def option(
+    default: Any, help: str, choices: tuple[Any, ...] | None = None, aliases: dict[str, Any] | None = None
+) -> Any:
+    """A config field: its default, a one-line help, and optionally the allowed values and the values an earlier
+    version took that still read as one of them (`aliases`, keyed by the value as text: `"true"`)."""
+    metadata = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -90,8 +93,15 @@ class TrainConfig:
     eval_samples: int = option(64, "validation sequences per evaluation")
     activation_checkpointing: str = option("none", "recompute activations in backward", ("none", "full", "selective"))
     ac_every: int = option(2, "with selective checkpointing, every k-th block is recomputed")
-    compile: bool = option(
-        False, "torch.compile each transformer block (pays back its start-up time on GPUs; measure on CPUs)"
+    compile: str = option(
+        "off",
+        "torch.compile (pays back its start-up time on GPUs; measure on CPUs): each transformer block (blocks), or "
+        "the whole forward with the head and the loss (model); true/false (earlier configs) read as blocks/off",
+        ("off", "blocks", "model"),
+        aliases={"true": "blocks", "false": "off"},
+    )
+    cuda_graphs: bool = option(
+        False, "replay the compiled step as CUDA graphs (train.compile = model, one process on a GPU): fewer launches"
     )
     qat: str = option(
         "none",
@@ -105,6 +115,14 @@ class TrainConfig:
     )
     lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input (the frozen path sees x unchanged)")
     max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
+    loss_impl: str = option(
+        "plain",
+        "the head's matmul and cross-entropy: plain (whole (tokens, vocab) logits), chunked (train.loss_chunks slices "
+        "of the tokens at a time, their logits recomputed in backward), fused (Liger Kernel's, on CUDA); auto: fused "
+        "where Liger Kernel is installed, the device is CUDA and parallel.tp = 1, else chunked",
+        ("auto", "plain", "chunked", "fused"),
+    )
+    loss_chunks: int = option(8, "train.loss_impl = chunked: slices each micro-batch's tokens are cut into")
 
 
 @dataclass
@@ -179,8 +197,8 @@ class SyncConfig:
     ft_timeout_s: float = option(30.0, "fault_tolerant: seconds a cross-group collective waits (a quorum: twice that)")
     ft_bind: str = option(
         "",
-        "fault_tolerant: the address torchft's manager and checkpoint servers listen on; empty: every interface "
-        "(they trust their network); `paralm train --replicas` uses 127.0.0.1",
+        "fault_tolerant: the address torchft's manager, its store and checkpoint servers listen on; empty: every "
+        "interface (they trust their network); `paralm train --replicas` uses 127.0.0.1",
     )
     straggler_rank: int = option(-1, "rank slowed on purpose to study heterogeneous workers; -1: none")
     straggler_delay_s: float = option(0.0, "seconds the straggler rank sleeps in every step")
@@ -310,6 +328,9 @@ def _build_model(values: dict[str, Any], source: str) -> ModelConfig:
                 f"[model]: {', '.join(fields)}"
             )
         typed[key] = _coerce(value, fields[key].kind, f"model.{key}", source)
+        choices = fields[key].declared.metadata.get("choices")
+        if choices is not None and typed[key] not in choices:
+            raise UserError(f"{source}: model.{key} = {value!r} is not one of {' | '.join(map(str, choices))}")
     return from_flat(family_spec(family).options, typed | {"family": family})
 
 
@@ -328,6 +349,8 @@ def _build_section(section_cls: type, section: str, values: dict[str, Any], sour
                 f"{source}: unknown field {section}.{key}{_suggest(key, fields)}; "
                 f"fields of [{section}]: {', '.join(fields)}"
             )
+        aliases = fields[key].metadata.get("aliases") or {}
+        value = aliases.get(str(value).lower(), value)  # TOML's `true` and the command line's "true" alike
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}", source)
         choices = fields[key].metadata.get("choices")
         if choices is not None and kwargs[key] not in choices:

@@ -22,8 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from paralm.config.schema import TrainConfig
+from paralm.config.schema import Config, TrainConfig
 from paralm.convert.layers import linear_names
+from paralm.models.registry import model_spec
 from paralm.models.seeding import seed_parameter
 from paralm.models.spec import ModelSpec
 
@@ -145,6 +146,25 @@ def merge_lora(model: nn.Module) -> None:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, module.merged())
     model.requires_grad_(True)
+
+
+def block_adapters(config: Config) -> tuple[int, int]:
+    """One block's adapter parameters as tensor parallelism places them (`LoRALinear.shard_like_weight`):
+    (split over the group, whole on every rank); B of a branch's input layers (column-parallel) and A of its
+    output layer (row-parallel) split. Counted on the family's model built on the meta device, so that the
+    planner prices the very layers `train.lora_targets` picks; every block alike (LoRA refuses MoE blocks)."""
+    spec = model_spec(config.model)
+    with torch.device("meta"):
+        model = spec.build(config.model)
+    apply_lora(model, spec, config.train, announce=False)
+    outputs = {branch.output for branch in spec.branches}
+    split = whole = 0
+    for name, module in next(iter(model.get_submodule(spec.blocks).children())).named_modules():
+        if isinstance(module, LoRALinear):
+            a, b = module.lora_a.numel(), module.lora_b.numel()
+            row_parallel = name.rsplit(".", 1)[-1] in outputs
+            split, whole = split + (a if row_parallel else b), whole + (b if row_parallel else a)
+    return split, whole
 
 
 def is_adapter(name: str) -> bool:

@@ -52,8 +52,8 @@ def peft_adapters(model: nn.Module, config: Config) -> tuple[dict[str, torch.Ten
 
 def _llama_modules(config: Config) -> dict[str, str]:
     """paralm's module name -> transformers' (Llama, Qwen2, Qwen3: one to one)."""
-    pairs = llama_hf.names(config.model) or []
-    return {ours.removesuffix(".weight"): hf.removesuffix(".weight") for ours, hf in pairs}
+    pieces = [piece for piece in llama_hf.pieces(config.model, ()) if piece.expert is None]
+    return {piece.ours.removesuffix(".weight"): piece.theirs.removesuffix(".weight") for piece in pieces}
 
 
 def _renamed(adapters: dict[str, LoRALinear], modules: dict[str, str]) -> tuple[dict, set[str]]:

@@ -15,10 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from paralm.errors import UserError
+from paralm.models.attention_backend import ATTENTION_BACKENDS
+
 
 @dataclass
 class ModelConfig:
-    """What every family reads: which family, and the transformer's size."""
+    """What every family reads: which family, the transformer's size, and the attention kernel it runs."""
 
     family: str = field(
         default="gpt2", metadata={"help": "model family: gpt2, llama or deepseek (paralm.models.registry)"}
@@ -29,6 +32,26 @@ class ModelConfig:
     block_size: int = field(default=128, metadata={"help": "context length in tokens"})
     vocab_size: int = field(default=256, metadata={"help": "at least the tokenizer's; larger pads it"})
     dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "SDPA's attention kernel: auto (torch picks per call) or one the device has (a CPU: flash, math)",
+            "choices": ATTENTION_BACKENDS,
+        },
+    )
+
+
+def check_head_split(config: ModelConfig, width_fields: tuple[str, ...] = ()) -> None:
+    """A one-line refusal of a d_model that n_head does not divide where a head is d_model / n_head wide:
+    always without `width_fields`, else where one of them (a per-head width, 0: d_model / n_head) is 0.
+    Heads of given widths take any d_model: their projections map d_model to heads x width and back."""
+    derived = [f"model.{name}" for name in width_fields if not getattr(config, name)]
+    if config.d_model % config.n_head and (derived or not width_fields):
+        fix = f"set {' and '.join(derived)}, or change either" if derived else "change either"
+        raise UserError(
+            f"model.d_model = {config.d_model} must be divisible by model.n_head = {config.n_head} "
+            f"(a head is d_model / n_head wide): {fix}"
+        )
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paralm.models.attention_backend import attention_backend
 from paralm.models.documents import masked_attend
 from paralm.models.kv_cache import Attend, LayerCache, attend
 from paralm.models.llama import Block as LlamaBlock
@@ -75,6 +76,7 @@ class LatentAttention(nn.Module):
         self.rope_theta = config.rope_theta  # RoPE turns the last `rope` dimensions of q and k only
         self.dropout = config.dropout
         self.attend: Attend = attend
+        self.backend = config.attention_backend
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -100,7 +102,8 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         dropout = self.dropout if self.training else 0.0
-        y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
+        with attention_backend(self.backend):
+            y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
         return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(batch, seq, -1)))
 
 

@@ -5,11 +5,14 @@ which transformers stacks on load), `rope_interleave = True` with the RoPE rows 
 shared key permuted from paralm's `rotate_half` pairs (i, i + r/2) to interleaved pairs (2i, 2i + 1), no
 multi-token-prediction layers. Import takes that layout, or the stacked one of transformers' module
 (`mlp.experts.gate_up_proj`: gate then up; `down_proj`), and keeps the loss-free balancing bias
-(`e_score_correction_bias`). Settings the two do not compute alike are refused in one line.
+(`e_score_correction_bias`). `pieces` places each tensor, one expert at a time and the RoPE rows in their
+order, so `checkpoint.init_from` reads only a rank's experts and rows. Settings the two do not compute alike
+are refused in one line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ from paralm.errors import UserError
 from paralm.models.deepseek import DeepSeekConfig, mla_dims
 from paralm.models.llama import ffn_hidden, moe_hidden
 from paralm.models.moe_config import is_moe_block
-from paralm.models.spec import StateDict, refuse_differences, refuse_unexportable
+from paralm.models.spec import HFPiece, StateDict, refuse_differences, refuse_unexportable, stacked_experts
 
 _SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 _ROTATED = ("attention.wq.weight", "attention.wkv_a.weight")  # rows end with each head's RoPE part
@@ -163,6 +166,33 @@ def _interleave(name: str, w: torch.Tensor, c: DeepSeekConfig, inverse: bool) ->
         order = order.argsort()
     rows = w.view(-1, before + rope, w.shape[-1])
     return torch.cat((rows[:, :before], rows[:, before:][:, order]), dim=1).view_as(w)
+
+
+def _rope_rows(name: str, c: DeepSeekConfig) -> torch.Tensor | None:
+    """For a tensor `_interleave` permutes, the HF row each of paralm's rows is (`HFPiece.rows`); else None."""
+    if not name.endswith(_ROTATED):
+        return None
+    nope, rope, _ = mla_dims(c)
+    blocks, before = (c.n_head, nope) if name.endswith("wq.weight") else (1, c.kv_lora_rank)
+    return _interleave(name, torch.arange(blocks * (before + rope)).view(-1, 1), c, inverse=True).flatten()
+
+
+def pieces(config: DeepSeekConfig, held: Collection[str]) -> list[HFPiece]:
+    """Every tensor as an `HFPiece`: one per routed expert and matrix as `save_pretrained` writes them, or
+    transformers' stacked experts for a block whose `gate_up_proj` the folder holds."""
+    out = []
+    for i in range(config.n_layer):
+        h = f"model.layers.{i}.mlp.experts."
+        if h + "gate_up_proj" in held:
+            out += stacked_experts(
+                f"layers.{i}.feed_forward.experts.", h + "gate_up_proj", h + "down_proj", moe_hidden(config)
+            )
+    stacked = {piece.ours for piece in out}
+    return out + [
+        HFPiece(ours, theirs, j, rows=_rope_rows(ours, config))
+        for ours, j, theirs in _pairs(config)
+        if ours not in stacked
+    ]
 
 
 def to_hf(sd: StateDict, config: DeepSeekConfig) -> StateDict:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
 from paralm.models import deepseek_hf
+from paralm.models.config import check_head_split
 from paralm.models.deepseek import DeepSeek, DeepSeekConfig, mla_dims
 from paralm.models.llama import TIED, ffn_hidden, moe_hidden
 from paralm.models.moe_config import moe_shape
@@ -82,7 +83,8 @@ def shape(config: DeepSeekConfig) -> ModelShape:
 
 
 def check(config: DeepSeekConfig) -> None:
-    """Shapes MLA cannot take, each a one-line error."""
+    """Shapes MLA cannot take, each a one-line error. Given head widths free d_model from n_head."""
+    check_head_split(config, ("qk_nope_head_dim", "v_head_dim"))
     _, rope, _ = mla_dims(config)
     if rope <= 0 or rope % 2:
         raise UserError(f"model.qk_rope_head_dim = {rope} must be a positive even number: RoPE rotates pairs")
@@ -125,6 +127,7 @@ SPEC = ModelSpec(
     sharded_regions=sharded_regions,
     blocks="layers",
     attention="attention",
+    head="output",
     pipeline=PipelineParts(first=("tok_embeddings",), last=("norm", "output")),
     tied=TIED,
     hf=HFMapping(
@@ -134,7 +137,13 @@ SPEC = ModelSpec(
         config_from_hf=deepseek_hf.config_from_hf,
         to_hf=deepseek_hf.to_hf,
         from_hf=deepseek_hf.from_hf,
+        pieces=deepseek_hf.pieces,
         related=(),
+        sizes=(
+            *("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings"),
+            *("intermediate_size", "moe_intermediate_size", "kv_lora_rank"),
+            *("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+        ),
     ),
     branches=(
         Branch("attention", ("wq", "wkv_b"), "wo", lambda config: config.n_head),  # each head's rows and columns

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paralm.models.attention_backend import attention_backend
 from paralm.models.config import ModelConfig
 from paralm.models.documents import document_mask, document_positions, masked_attend
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
@@ -50,6 +51,7 @@ class CausalSelfAttention(nn.Module):
         self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
         self.attend: Attend = attend  # context parallelism swaps in an attention across ranks
+        self.backend = config.attention_backend
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -58,7 +60,8 @@ class CausalSelfAttention(nn.Module):
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         dropout = self.dropout if self.training else 0.0
-        y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
+        with attention_backend(self.backend):
+            y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 
@@ -136,8 +139,10 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """Token ids (batch, seq) to logits (batch, seq, vocab).
+        """Token ids (batch, seq) to logits (batch, seq, vocab); with `hidden`, the final norm's output
+        (batch, seq, d_model), for a loss that multiplies by the head's weight itself (`models.loss`).
 
         On a pipeline stage without the embedding, `x` is the previous stage's hidden states; on
         one without the head, the hidden states are returned. `positions` (seq,): the tokens' global
@@ -157,5 +162,6 @@ class GPT(nn.Module):
         for key, block in self.blocks.items():
             x = block(x, cache=cache.layer(int(key)) if cache is not None else None, mask=mask)
         if self.lm_head is not None:
-            x = self.lm_head(self.ln_f(x))
+            x = self.ln_f(x)
+            x = x if hidden else self.lm_head(x)
         return x

@@ -6,12 +6,15 @@ column-wise, its down projection row-wise. Under sequence parallelism the learne
 replicated, each rank adding the positions its sequence shard holds.
 
 Hugging Face GPT-2 stores linear weights as `Conv1D` (in × out, transposed) and fuses q, k, v into
-`c_attn`; everything else is a rename. Only configurations that compute what paralm's GPT computes
-map: exact GELU, biases, a tied head, 4·d_model MLP, LayerNorm eps 1e-5, 1/sqrt(head_dim) scaling.
+`c_attn`; everything else is a rename. Each of paralm's tensors is a block of one of theirs (`pieces`), so
+`checkpoint.init_from` reads a rank's shards of q, k and v as column slices of `c_attn`. Only configurations
+that compute what paralm's GPT computes map: exact GELU, biases, a tied head, 4·d_model MLP, LayerNorm eps
+1e-5, 1/sqrt(head_dim) scaling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -21,10 +24,20 @@ from torch.distributed.tensor.parallel import PrepareModuleOutput
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
+from paralm.models.config import check_head_split
 from paralm.models.gpt2 import GPT, TIED, GPT2Config
 from paralm.models.moe_config import moe_options, moe_shape
 from paralm.models.shape import ModelShape
-from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion, StateDict, refuse_differences
+from paralm.models.spec import (
+    Branch,
+    HFMapping,
+    HFPiece,
+    ModelSpec,
+    PipelineParts,
+    ShardedRegion,
+    StateDict,
+    refuse_differences,
+)
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
 
 
@@ -146,6 +159,19 @@ def _renamed(n_layer: int) -> list[tuple[str, str, bool]]:
     return pairs
 
 
+def pieces(config: GPT2Config, held: Collection[str]) -> list[HFPiece]:
+    """Every tensor as an `HFPiece` (the tied head left out): the renamed ones whole or transposed, q, k and
+    v at their offsets in the fused `c_attn` (whose weight is transposed too)."""
+    out = [HFPiece(ours, theirs, transposed=transposed) for ours, theirs, transposed in _renamed(config.n_layer)]
+    for i in range(config.n_layer):
+        p, h = f"blocks.{i}.attn.", f"transformer.h.{i}.attn.c_attn."
+        for k, w in enumerate(QKV):
+            at = k * config.d_model
+            out += [HFPiece(p + w + ".weight", h + "weight", offset=(at, 0), transposed=True)]
+            out += [HFPiece(p + w + ".bias", h + "bias", offset=(at,))]
+    return out
+
+
 def to_hf(sd: StateDict, config: GPT2Config) -> StateDict:
     """HF GPT-2's tensors (the tied `lm_head.weight` left out: transformers restores it from the embedding)."""
     out = {hf: sd[name].t() if transposed else sd[name] for name, hf, transposed in _renamed(config.n_layer)}
@@ -183,7 +209,8 @@ def from_hf(hf: StateDict, config: GPT2Config, source: str) -> StateDict:
 
 
 def check(config: GPT2Config) -> None:
-    """Every shape the generic checks admit builds (d_model divisible by n_head is checked there)."""
+    """Every shape the generic checks admit builds where n_head divides d_model (a head's width)."""
+    check_head_split(config)
 
 
 SPEC = ModelSpec(
@@ -196,6 +223,7 @@ SPEC = ModelSpec(
     sharded_regions=sharded_regions,
     blocks="blocks",
     attention="attn",
+    head="lm_head",
     pipeline=PipelineParts(first=("wte", "wpe"), last=("ln_f", "lm_head")),
     tied=TIED,
     hf=HFMapping(
@@ -205,7 +233,9 @@ SPEC = ModelSpec(
         config_from_hf=config_from_hf,
         to_hf=to_hf,
         from_hf=from_hf,
+        pieces=pieces,
         related=(),
+        sizes=("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"),
     ),
     branches=(
         Branch("attn", ("wq", "wk", "wv"), "wo", lambda c: c.n_head),

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from paralm.errors import UserError
+from paralm.models.moe_config import check_moe
 from paralm.models.registry import hf_spec, model_config, model_shape
 
 CONFIG_FILE = "config.json"
@@ -61,9 +62,25 @@ def read_folder(path: str | Path, option: str = "--hf") -> HFFolder:
 
 
 def model_fields(folder: HFFolder) -> dict[str, Any]:
-    """The `[model]` fields the folder's `config.json` fixes, or a one-line reason paralm cannot compute it."""
+    """The `[model]` fields the folder's `config.json` fixes, or a one-line reason paralm cannot compute it:
+    a size that is not a positive integer by its config.json name, a shape the family cannot build by its
+    `[model]` name, each with the file's path (the config rules would name the field alone)."""
     origin = str(folder.path / CONFIG_FILE)
-    return hf_spec(folder.config.get("model_type"), origin).hf.config_from_hf(folder.config, origin)
+    spec = hf_spec(folder.config.get("model_type"), origin)
+    for name in spec.hf.sizes:
+        value = folder.config.get(name)
+        if name in folder.config and (type(value) is not int or value < 1):
+            raise UserError(
+                f"{origin}: {name} = {value!r} must be a positive integer: fix it or download the folder again"
+            )
+    fields = spec.hf.config_from_hf(folder.config, origin)
+    config = model_config(**fields)
+    try:
+        spec.check(config)
+        check_moe(config)
+    except UserError as e:
+        raise UserError(f"{origin}: {e}") from None
+    return fields
 
 
 def check_holds(folder: HFFolder, fields: dict[str, Any]) -> None:

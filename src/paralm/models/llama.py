@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paralm.models.attention_backend import attention_backend
 from paralm.models.config import ModelConfig
 from paralm.models.documents import document_mask, document_positions, masked_attend, window_mask
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
@@ -152,12 +153,10 @@ class Attention(nn.Module):
         if self.config.sliding_window:  # q holds the whole sequence here, also under sequence parallelism
             window = window_mask(q.shape[2], start, self.config.sliding_window, q.device)
             mask = window if mask is None else mask & window
-        if mask is None:
-            y = self.attend(q, k, v, cache, dropout)
-        else:
-            if cache is not None:
-                k, v = cache.append(k, v)
-            y = masked_attend(q, k, v, mask, dropout)
+        if mask is not None and cache is not None:
+            k, v = cache.append(k, v)
+        with attention_backend(self.config.attention_backend):
+            y = self.attend(q, k, v, cache, dropout) if mask is None else masked_attend(q, k, v, mask, dropout)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.wo(y))
 
@@ -243,12 +242,14 @@ class Llama(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """Token ids (batch, seq) to logits (batch, seq, vocab); on a stage without the embedding `x`
-        is the previous stage's hidden states, on one without the head the hidden states are returned.
-        `positions` (seq,): the tokens' global positions (default: counted from the cache's length).
-        `documents` (batch, seq): packed documents' ids; attention stays inside each and positions
-        restart at each (`models.documents`)."""
+        """Token ids (batch, seq) to logits (batch, seq, vocab); with `hidden`, the final norm's output
+        (batch, seq, d_model), for a loss that multiplies by the head's weight itself (`models.loss`). On a
+        stage without the embedding `x` is the previous stage's hidden states, on one without the head the
+        hidden states are returned. `positions` (seq,): the tokens' global positions (default: counted from
+        the cache's length). `documents` (batch, seq): packed documents' ids; attention stays inside each and
+        positions restart at each (`models.documents`)."""
         mask = None
         if documents is not None:
             positions, mask = document_positions(documents), document_mask(documents)
@@ -261,5 +262,6 @@ class Llama(nn.Module):
             layer_cache = cache.layer(int(key)) if cache is not None else None
             x = block(x, positions=positions, cache=layer_cache, mask=mask)
         if self.output is not None:
-            x = self.output(self.norm(x))
+            x = self.norm(x)
+            x = x if hidden else self.output(x)
         return x

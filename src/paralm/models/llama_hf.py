@@ -3,21 +3,22 @@ scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms, an explicit head w
 sliding window), and Mixtral for MoE feed-forwards (`paralm.models.mixtral_hf`).
 
 All of them are paralm's Llama with options: the weights keep their names but for the `model.`
-prefix and the submodule names in `_RENAMES`, so the mapping is a list of name pairs (`names`), which
-`checkpoint.init_from` hands to DCP to read each rank's shards of a sharded folder directly. Export picks
+prefix and the submodule names in `_RENAMES`, so the mapping is a list of name pairs (`pieces`, from which
+`checkpoint.init_from` reads each rank's shards straight from a folder). Export picks
 the architecture from the options: a sliding window makes a Mistral, q/k norms a Qwen3, q/k/v biases a
 Qwen2, anything else a Llama.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from paralm.errors import UserError
 from paralm.models import mixtral_hf, qwen3_moe_hf
 from paralm.models.llama import LlamaConfig, ffn_hidden, head_dim, kv_heads
 from paralm.models.moe_config import is_moe_block
-from paralm.models.spec import StateDict, refuse_differences
+from paralm.models.spec import HFPiece, StateDict, refuse_differences
 
 _RENAMES = {
     "attention_norm": "input_layernorm",
@@ -127,6 +128,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The `[model]` fields for a config.json of the family's architectures, or a one-line reason it does not map."""
     model_type = hf.get("model_type")
     d_model, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    width = hf.get("head_dim") or d_model // heads  # transformers' head width when config.json has none
     block_size = hf.get("max_position_embeddings", 2048)
     qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
     windowed = not qwen or hf.get("use_sliding_window")  # Qwen: a window only if used
@@ -152,7 +154,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
             n_head=heads,
             n_kv_heads=hf.get("num_key_value_heads") or heads,
             d_model=d_model,
-            head_dim=0 if (hf.get("head_dim") or d_model // heads) * heads == d_model else hf["head_dim"],
+            head_dim=0 if width * heads == d_model else width,
             attention_bias=model_type == "qwen2",
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
@@ -166,12 +168,11 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def names(config: LlamaConfig) -> list[tuple[str, str]] | None:
-    """(paralm name, HF name) of every tensor (a tied head left out: transformers restores it); None for MoE
-    feed-forwards, whose experts paralm stacks into one tensor where HF keeps one per expert."""
-    if config.moe.experts:
-        return None
-    return _pairs(config)
+def pieces(config: LlamaConfig, held: Collection[str]) -> list[HFPiece]:
+    """Every tensor as an `HFPiece` (a tied head left out: transformers restores it): the renamed ones
+    whole, the MoE feed-forwards' one expert at a time (`mixtral_hf.pieces`)."""
+    renamed = [HFPiece(ours, theirs) for ours, theirs in _pairs(config)]
+    return renamed + (mixtral_hf.pieces(config, held) if config.moe.experts else [])
 
 
 def _pairs(config: LlamaConfig) -> list[tuple[str, str]]:
@@ -192,9 +193,7 @@ def _pairs(config: LlamaConfig) -> list[tuple[str, str]]:
 
 def to_hf(sd: StateDict, config: LlamaConfig) -> StateDict:
     """The tensors `save_pretrained` writes for the architecture `config_to_hf` names."""
-    out = {hf: sd[name] for name, hf in _pairs(config)}
-    if config.moe.experts:
-        out |= mixtral_hf.to_hf(sd, config)
+    out = {p.theirs: sd[p.ours] if p.expert is None else sd[p.ours][p.expert] for p in pieces(config, ())}
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 

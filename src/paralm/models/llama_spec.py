@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paralm.errors import UserError
 from paralm.models import llama_hf
+from paralm.models.config import check_head_split
 from paralm.models.llama import TIED, Llama, LlamaConfig, ffn_hidden, head_dim, kv_heads, moe_hidden
 from paralm.models.moe_config import moe_shape
 from paralm.models.rope import ROPE_SCALINGS
@@ -72,6 +73,7 @@ def shape(config: LlamaConfig) -> ModelShape:
 
 def check(config: LlamaConfig) -> None:
     """Shapes RoPE and grouped-query attention cannot take, each a one-line error."""
+    check_head_split(config)  # as transformers' LlamaConfig, which an export must load
     heads = kv_heads(config)
     if config.n_kv_heads < 0 or config.n_head % heads:
         raise UserError(
@@ -131,6 +133,7 @@ SPEC = ModelSpec(
     sharded_regions=sharded_regions,
     blocks="layers",
     attention="attention",
+    head="output",
     pipeline=PipelineParts(first=("tok_embeddings",), last=("norm", "output")),
     tied=TIED,
     hf=HFMapping(
@@ -140,8 +143,12 @@ SPEC = ModelSpec(
         config_from_hf=llama_hf.config_from_hf,
         to_hf=llama_hf.to_hf,
         from_hf=llama_hf.from_hf,
-        names=llama_hf.names,
+        pieces=llama_hf.pieces,
         related=("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"),
+        sizes=(
+            *("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings"),
+            *("intermediate_size", "decoder_sparse_step"),  # Qwen3-MoE's MoE layers are every step-th
+        ),
     ),
     branches=(
         Branch("attention", ("wq", "wk", "wv"), "wo", kv_heads),  # a key/value head with the query heads it serves

@@ -5,6 +5,8 @@ over the chosen experts, weight SwiGLU experts; every block is MoE, no shared ex
 what `save_pretrained` writes (one `block_sparse_moe.experts.{j}.w1.weight` per expert, which every
 transformers version reads); import also takes the stacked layout of transformers' module
 (`mlp.experts.gate_up_proj`, (experts, 2 x hidden, d): w1 then w3; `down_proj`: w2), paralm's own.
+`pieces` places each expert's tensors in paralm's stacks: export writes by it, and `checkpoint.init_from`
+reads by it only the experts a rank holds.
 The weight maps serve Qwen3-MoE too (`paralm.models.qwen3_moe_hf`), under its own per-expert names and
 only for its MoE blocks.
 Settings Mixtral does not compute (a loss-free bias changes which experts are chosen, capacity drops
@@ -13,15 +15,16 @@ tokens, top-1 would not renormalise) are refused in one line.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from paralm.errors import UserError
-from paralm.models.llama import LlamaConfig, ffn_hidden
+from paralm.models.llama import LlamaConfig, ffn_hidden, moe_hidden
 from paralm.models.moe_config import is_moe_block
-from paralm.models.spec import StateDict, refuse_differences, refuse_unexportable
+from paralm.models.spec import HFPiece, StateDict, refuse_differences, refuse_unexportable, stacked_experts
 
 
 def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
@@ -86,14 +89,21 @@ def moe_blocks(config: LlamaConfig) -> list[int]:
     return [i for i in range(config.n_layer) if is_moe_block(config, i)]
 
 
-def to_hf(sd: StateDict, config: LlamaConfig) -> StateDict:
-    """Every MoE block's router and experts, named as `save_pretrained` writes them."""
-    names, out = expert_names(config), {}
+def pieces(config: LlamaConfig, held: Collection[str]) -> list[HFPiece]:
+    """Every MoE block's router and experts as `HFPiece`s, one per expert and matrix as `save_pretrained`
+    names them, or in the stacked layout (`_stacked_names`) for a block whose tensors the folder holds so."""
+    names, hidden, out = expert_names(config), moe_hidden(config), []
     for i in moe_blocks(config):
         p, h = f"layers.{i}.feed_forward.", f"model.layers.{i}.{names.block}"
-        out[h + "gate.weight"] = sd[p + "gate.weight"]
+        gate, gate_up, down = _stacked_names(i)
+        if gate_up in held:
+            out += [HFPiece(p + "gate.weight", gate), *stacked_experts(p + "experts.", gate_up, down, hidden)]
+            continue
+        out.append(HFPiece(p + "gate.weight", h + "gate.weight"))
         for k, theirs in (("w1", names.w1), ("w2", names.w2), ("w3", names.w3)):
-            out |= {f"{h}experts.{j}.{theirs}.weight": w for j, w in enumerate(sd[p + f"experts.{k}"])}
+            out += [
+                HFPiece(p + f"experts.{k}", f"{h}experts.{j}.{theirs}.weight", j) for j in range(config.moe.experts)
+            ]
     return out
 
 

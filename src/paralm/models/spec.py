@@ -9,7 +9,7 @@ family is a module file (its model and options dataclass), a spec file and a lin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,32 @@ class Branch:
     units: Callable[[ModelConfig], int]
 
 
+@dataclass(frozen=True, eq=False)
+class HFPiece:
+    """Where one paralm tensor `ours`, or one expert of a stack (`ours[expert]`), lies in the Hugging Face
+    tensor `theirs`, so that a rank reads only the part of `theirs` its shard of `ours` covers: from `offset`
+    (a start per dim, in ours' orientation; () for zeros: q, k, v in GPT-2's fused `c_attn`, w1 and w3 in a
+    stacked `gate_up_proj`), transposed (GPT-2's `Conv1D`), and with `rows` (ours' row r is theirs' row
+    rows[r], in place of offset's first entry: DeepSeek's interleaved RoPE rows)."""
+
+    ours: str
+    theirs: str
+    expert: int | None = None
+    offset: tuple[int, ...] = ()
+    transposed: bool = False
+    rows: torch.Tensor | None = None
+
+
+def stacked_experts(ours: str, gate_up: str, down: str, hidden: int) -> list[HFPiece]:
+    """The SwiGLU experts `ours` + w1/w2/w3 (experts, hidden, d) in transformers' stacked module layout:
+    `gate_up` holds w1 then w3 along dim 1, `down` holds w2."""
+    return [
+        HFPiece(ours + "w1", gate_up),
+        HFPiece(ours + "w3", gate_up, offset=(0, hidden, 0)),
+        HFPiece(ours + "w2", down),
+    ]
+
+
 @dataclass(frozen=True)
 class HFMapping:
     """The family as a Hugging Face `transformers` architecture, both ways.
@@ -65,18 +91,21 @@ class HFMapping:
     them back, or raises a one-line `UserError`; `config_from_hf` returns the `[model]` fields, or
     refuses in one line a configuration the family does not compute exactly; `config_to_hf` the
     config.json fields (`architectures` and `model_type` among them where they depend on the config, else
-    the two below). `names` pairs (paralm name, HF name) where each tensor is the other's unchanged, so
-    `checkpoint.init_from` can read every rank's shards of it straight from the folder; None where
-    some tensor is fused, split or transposed on the way (then each rank reads the whole folder)."""
+    the two below). `pieces` says where each paralm tensor lies in the HF tensors (`HFPiece`), given the
+    folder's tensor names (a layout may depend on them), so `checkpoint.init_from` reads every rank's slices
+    straight from the folder. `sizes` are the config.json fields that must be positive integers where given
+    (counts and widths the mapping divides by, or that paralm reads as "derive it" at 0), refused by name
+    before `config_from_hf` reads them."""
 
     model_type: str
     architecture: str
     related: tuple[str, ...]  # other `model_type`s that import computes exactly (when their settings allow)
+    sizes: tuple[str, ...]
     config_to_hf: Callable[[ModelConfig], dict[str, Any]]
     config_from_hf: Callable[[dict[str, Any], str], dict[str, Any]]
     to_hf: Callable[[StateDict, ModelConfig], StateDict]
     from_hf: Callable[[StateDict, ModelConfig, str], StateDict]
-    names: Callable[[ModelConfig], list[tuple[str, str]] | None] = lambda config: None
+    pieces: Callable[[ModelConfig, Collection[str]], list[HFPiece]]
 
 
 @dataclass(frozen=True)
@@ -99,6 +128,9 @@ class ModelSpec:
     # each block's attention submodule: its `attend` attribute (q, k, v, cache, dropout -> output, see
     # `paralm.models.kv_cache.attend`) is what context parallelism swaps for an attention across ranks
     attention: str
+    # the head: a linear layer whose (vocab, d_model) weight a chunked or fused loss multiplies by itself, the
+    # model's forward stopping at the final norm (`hidden=True`; `paralm.parallel.loss_head`)
+    head: str
     pipeline: PipelineParts
     # parameter name -> the parameter it shares when the model ties them (the head's weight -> the
     # embedding's); `tied_parameters` says which pairs a built model does tie

@@ -24,11 +24,15 @@ class StepBatch:
     each input token belongs to, with `data.document_mask`). With a loss mask, `loss_tokens` is the
     global batch's trained target count divided by the loss replicas: each micro-batch's summed loss
     over it makes the replicas' averaged gradients those of the global batch's mean over its trained
-    tokens. None: each micro-batch's mean over the accumulation steps, as without a mask."""
+    tokens. None: each micro-batch's mean over the accumulation steps, as without a mask. A replica group
+    logs the loss of the share it read, as it does without a mask: `reported_tokens` (its share's trained
+    targets over its own loss replicas) normalises the logged loss in place of `loss_tokens` (None: the same);
+    a share without a trained target logs 0."""
 
     micro_batches: list[MicroBatch] = field(default_factory=list)
     loss_tokens: float | None = None
-    trained: int | None = None  # trained targets in the global batch (for the metrics)
+    reported_tokens: float | None = None
+    trained: int | None = None  # trained targets in the job's share of the global batch (for the metrics)
 
 
 class StepHook:

@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
-from paralm.config.dims import ParallelDims
 from paralm.config.schema import Config
 from paralm.errors import UserError, written_out
 from paralm.models.step import StepBatch, StepHook
@@ -24,7 +22,7 @@ from paralm.observe.hang_dump import HANG_DIR
 from paralm.observe.memory_snapshot import MemorySnapshots, check_steps
 from paralm.observe.rank_logs import RankLog
 from paralm.observe.step_watch import StepWatch
-from paralm.observe.stragglers import StragglerWatch, encode
+from paralm.observe.stragglers import OwnTime, StragglerWatch, encode
 from paralm.parallel.runtime import Runtime
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
@@ -49,6 +47,7 @@ class RunObserver(StepHook):
         check_steps(self.memory_steps)
         self.log = RankLog(self.run_dir, self.rank)
         self.watch = StepWatch(self.run_dir, self.rank, self.timeout_s)
+        self.own = OwnTime()
         self.stragglers = StragglerWatch(config.log.straggler_threshold_s)
         self.memory: MemorySnapshots | None = None
         self.notes: list[str] = []  # the start-up lines to print, once attached
@@ -56,13 +55,11 @@ class RunObserver(StepHook):
         if torch.cuda.is_available():
             nccl_flight_recorder(self.run_dir / HANG_DIR)
 
-    def attach(self, runtime: Runtime, module: object) -> None:
-        """Watch the steps of `module` (what a step runs); `notes`: the start-up lines to print."""
+    def attach(self, runtime: Runtime) -> None:
+        """Watch the steps this rank runs; `notes`: the start-up lines to print."""
         self.memory = MemorySnapshots(self.memory_steps, self.run_dir, runtime.rank, runtime.device)
         if runtime.distributed:
             self.watch.start()
-        if isinstance(module, nn.Module) and forward_waits_for_no_peer(module, runtime.dims):
-            module.register_forward_hook(lambda *_: self.watch.own_work_done())
         self.notes = [note] if (note := self.memory.note()) else []
 
     def stop_on(self, stop: Stopping) -> None:
@@ -76,20 +73,22 @@ class RunObserver(StepHook):
 
     def started(self, step: int) -> None:
         self.watch.step_started(step)
+        self.own.started()
         if self.memory:
             self.memory.step_started(step)
 
     def batches(self, batch: StepBatch) -> StepBatch:
-        """Data and host work are done (`batch` loaded, passed through); a forward that calls no collective
-        moves this mark to its end."""
-        self.watch.own_work_done()
+        """Data and host work are done (`batch` loaded, passed through): own time is CPU time from here."""
+        self.own.loaded()
         return batch
 
     def ended(self, step: int, skipped: torch.Tensor) -> dict[str, float]:
-        """The step's own-time figures, for the metrics collective (`stragglers.encode`)."""
+        """The step is over (the watchdog stops timing it); its own-time figures, for the metrics collective
+        (`stragglers.encode`)."""
+        self.watch.step_ended()
         if self.memory:
             self.memory.step_ended(step)
-        slowest, neg_fastest = encode(self.watch.own_time(), self.rank, self.world_size)
+        slowest, neg_fastest = encode(self.own.ended(), self.rank, self.world_size)
         return {"own_slowest": slowest, "own_neg_fastest": neg_fastest}
 
     def review(self, row: dict[str, Any], say: Callable[[str], None]) -> None:
@@ -115,13 +114,6 @@ class RunObserver(StepHook):
     def close(self, finished: bool = True) -> None:
         self.watch.close(finished)
         self.log.close()
-
-
-def forward_waits_for_no_peer(module: nn.Module, dims: ParallelDims) -> bool:
-    """Whether a forward pass calls no collective, so that its end still counts as this rank's own time:
-    true for DDP and ZeRO-1 (whose collectives come in backward and after it), unless DDP broadcasts buffers."""
-    sharded = dims.fsdp_enabled or dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.ep_enabled
-    return not sharded and next(module.buffers(), None) is None
 
 
 def nccl_flight_recorder(hang_dir: Path) -> None:

@@ -72,7 +72,8 @@ def _dispatch(
     # arrived is ordered (source rank, local expert); the experts want (local expert, source rank)
     lengths = by_source.t().flatten()
     starts = (by_source.flatten().cumsum(0) - by_source.flatten()).view(ep, -1).t().flatten()
-    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths)
+    # the output's length given (the tokens that arrived): else it depends on the data, where torch.compile breaks
+    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=arrived.shape[0])
     state.order = offsets + torch.arange(offsets.numel(), device=offsets.device)
     return arrived[state.order], by_source.sum(0)
 

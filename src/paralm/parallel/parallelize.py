@@ -2,8 +2,9 @@
 
 Order (as torchtitan): pipeline split, then tensor/sequence parallel, then context parallel, then activation
 checkpointing, then `torch.compile` per block, then data parallelism (FSDP or DDP) on what each
-rank holds. Each strategy lives in its own module; this module only composes them, and picks how a
-step runs (plain or pipelined) and how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
+rank holds; `train.compile = "model"` compiles the step's whole forward instead, once it is composed. Each
+strategy lives in its own module; this module only composes them, and picks how a step runs (plain or
+pipelined) and how replicas agree (all-reduce, ZeRO-1, local SGD / DiLoCo).
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paralm.config.rules import check_compile
+from paralm.config.compile_rules import check_compile_device
 from paralm.config.schema import Config, SyncConfig
 from paralm.convert.registry import apply_converters
+from paralm.models.attention_backend import check_attention_backend
 from paralm.models.registry import model_spec
 from paralm.models.spec import tied_parameters
 from paralm.models.step import StepBatch
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
-from paralm.parallel.compile import apply_compile
+from paralm.parallel.compile import apply_compile, compile_step
 from paralm.parallel.context.apply import apply_context_parallel, sequence_shard
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.expert import ExpertParallel
 from paralm.parallel.fsdp import apply_fsdp
+from paralm.parallel.loss_head import LossHead, build_loss_head
 from paralm.parallel.materialize import has_meta_tensors, materialize
 from paralm.parallel.pipeline import build_pipeline
 from paralm.parallel.reducers import GradientReducer
@@ -80,19 +83,29 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
     the whole config: each strategy gets the sections it needs and asks `runtime.dims` the rest.
     """
     dims, spec, dtype = runtime.dims, model_spec(config.model), config.precision.dtype
+    check_compile_device(config, runtime.device.type, dims)
+    check_attention_backend(config.model.attention_backend, runtime.device, dtype)
     tied = tied_parameters(model, spec)  # before a pipeline cut makes the head a copy
     stage_reducers: list[GradientReducer] = []  # each stage's expert parallelism
 
     def parallelize_part(part: nn.Module) -> nn.Module:
         return parallelize_stage(part, runtime, config, stage_reducers)
 
+    def loss_head(head: nn.Module) -> LossHead:
+        return build_loss_head(config.train, dtype, runtime.device, dims.tp, head)
+
     if dims.pp_enabled:  # stages are cut on the meta device, each materialised by `parallelize_stage`
-        module = runner = build_pipeline(model, spec, config.model, runtime, config.parallel, dtype, parallelize_part)
+        module = runner = build_pipeline(
+            model, spec, config.model, runtime, config.parallel, dtype, parallelize_part, loss_head
+        )
     else:
         module = parallelize_part(model)
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
         every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
-        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep)
+        head = loss_head(model.get_submodule(spec.head))
+        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep, head)
+        if config.train.compile == "model":
+            compile_step(runner, config.train.cuda_graphs)
     reducers = tensor_parallel_reducers(model, runtime.mesh["tp"], dims.sequence_parallel) if dims.tp_enabled else []
     return ParallelPlan(
         model=model,
@@ -120,8 +133,7 @@ def parallelize_stage(model: nn.Module, runtime: Runtime, config: Config, reduce
         apply_context_parallel(model, spec, runtime.mesh["cp"], config.parallel.cp_method)
     blocks = model.get_submodule(spec.blocks)
     apply_activation_checkpointing(blocks, config.train)
-    if config.train.compile:
-        check_compile(config, runtime.device.type)
+    if config.train.compile == "blocks":
         apply_compile(blocks)
     if dims.fsdp_enabled:
         apply_fsdp(model, blocks, runtime, config.parallel, config.precision, experts)  # ZeRO-2/3 (ZeRO-1: zero1)

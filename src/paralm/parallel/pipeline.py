@@ -18,9 +18,11 @@ Loss: the schedule's loss function is a pipeline micro-batch's mean cross-entrop
 number of micro-batches in the whole step (pipeline micro-batches x grad_accum), with
 `scale_grads=False`: gradients and the summed loss are then the batch mean, as in the trainer's loop.
 With a loss mask it is the micro-batch's summed loss over the trained targets per loss replica
-(`StepBatch.loss_tokens`), as in `PlainStep`. An MoE stage's auxiliary loss never leaves its rank: the
-stage's output carries it into backward (`carry_auxiliary_loss`), weighted as `PlainStep` weighs it
-(1 / the step's micro-batches), so each stage's MoE layers get the gradient one process gives them.
+(`StepBatch.loss_tokens`), as in `PlainStep`. The loss head (`train.loss_impl`) is the last stage's: for a
+chunked or fused one, that stage returns its final norm's output and the loss multiplies by its head's
+weight. An MoE stage's auxiliary loss never leaves its rank: the stage's output carries it into backward
+(`carry_auxiliary_loss`), weighted as `PlainStep` weighs it (1 / the step's micro-batches), so each
+stage's MoE layers get the gradient one process gives them.
 Document ids travel as a keyword the schedule splits along with the batch and hands every stage.
 
 Evaluation sends activations through the stages in order with plain send/recv (no schedule), so any
@@ -45,10 +47,10 @@ from paralm.config.degrees import num_stages, pipeline_microbatches
 from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.config.schema import ParallelConfig
 from paralm.models.config import ModelConfig
-from paralm.models.loss import cross_entropy_loss
 from paralm.models.moe import pop_auxiliary_loss, take_statistics
 from paralm.models.spec import ModelSpec, tied_parameters
 from paralm.models.step import StepBatch
+from paralm.parallel.loss_head import LossHead, PlainHead
 from paralm.parallel.precision import autocast
 from paralm.parallel.runtime import Runtime
 from paralm.parallel.split import stage_split
@@ -56,6 +58,7 @@ from paralm.parallel.step import LossScale, carry_auxiliary_loss, document_kwarg
 from paralm.parallel.tensor import local_value, loss_context
 
 StageParallelizer = Callable[[nn.Module], nn.Module]
+HeadBuilder = Callable[[nn.Module], LossHead]  # the loss head of a stage whose head (`ModelSpec.head`) is this module
 
 
 class Pipeline(nn.Module):
@@ -71,6 +74,7 @@ class Pipeline(nn.Module):
         runtime: Runtime,
         parallel: ParallelConfig,
         d_model: int,
+        head: LossHead,
     ) -> None:
         super().__init__()
         for name, child in model.named_children():
@@ -79,6 +83,7 @@ class Pipeline(nn.Module):
         self.num_stages = len(stage_to_rank)
         self.tp, self.seq_divisor = runtime.dims.tp, runtime.dims.seq_divisor
         self.d_model = d_model  # of the activations passed between stages
+        self.head = head  # the last stage's loss (plain on ranks without it: never called)
         pp_mesh = runtime.mesh["pp"]
         self.pp_group = pp_mesh.get_group()
         self.microbatches = pipeline_microbatches(parallel)
@@ -100,8 +105,8 @@ class Pipeline(nn.Module):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self._loss_tokens is not None:
-            return cross_entropy_loss(logits, targets, self._loss_tokens)
-        return cross_entropy_loss(logits, targets) / self._loss_divisor
+            return self.head(logits, targets, self._loss_tokens)
+        return self.head(logits, targets) / self._loss_divisor
 
     def _carry_auxiliary_loss(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         """The stage's output carrying its auxiliary loss; but a stage's first training forward is the schedule's
@@ -160,7 +165,7 @@ class Pipeline(nn.Module):
             with loss_context(self.tp):
                 hidden = module(hidden, **document_kwargs([documents]))
                 if s == self.num_stages - 1:
-                    return local_value(cross_entropy_loss(hidden, y))
+                    return local_value(self.head(hidden, y))
             if s + 1 not in self.stage_modules:
                 dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.stage_to_rank[s + 1])
         return None
@@ -214,10 +219,11 @@ def build_pipeline(
     parallel: ParallelConfig,
     dtype: str,
     parallelize_stage: StageParallelizer,
+    loss_head: HeadBuilder,
 ) -> Pipeline:
     """Cut this rank's stages from `model` (on the meta device), log the split, keep in `model` only what
     the stages hold, parallelize (and so materialise) each stage and hand them to the schedule, which
-    runs each stage's forward in the compute `dtype`."""
+    runs each stage's forward in the compute `dtype` and the last stage's loss head."""
     p = parallel
     total = num_stages(p)
     ranks = stage_to_rank(p.pp, total, v_shape=PIPELINE_SCHEDULES[p.pp_schedule].stages_per_rank == "v")
@@ -233,7 +239,12 @@ def build_pipeline(
     }
     _keep_stages(model, spec, stages.values())
     stage_modules = {s: _autocast_forward(parallelize_stage(part), runtime.device, dtype) for s, part in stages.items()}
-    return Pipeline(model, tied, stage_modules, ranks, runtime, p, model_config.d_model)
+    head: LossHead = PlainHead()
+    if total - 1 in stage_modules:
+        head = loss_head(stage_modules[total - 1].get_submodule(spec.head))
+        if head.hidden:  # the stage stops at its final norm; the loss multiplies by the head's weight
+            stage_modules[total - 1].register_forward_pre_hook(_return_hidden, with_kwargs=True)
+    return Pipeline(model, tied, stage_modules, ranks, runtime, p, model_config.d_model, head)
 
 
 def _cut_stage(model: nn.Module, spec: ModelSpec, layers: range, first: bool, last: bool) -> nn.Module:
@@ -264,6 +275,10 @@ def _keep_stages(model: nn.Module, spec: ModelSpec, stages: Iterable[nn.Module])
     for name in spec.pipeline.first + spec.pipeline.last:
         holders = [getattr(stage, name) for stage in stages if getattr(stage, name) is not None]
         setattr(model, name, holders[0] if holders else None)
+
+
+def _return_hidden(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    return args, {**kwargs, "hidden": True}
 
 
 def _autocast_forward(module: nn.Module, device: torch.device, dtype: str) -> nn.Module:

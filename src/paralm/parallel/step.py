@@ -8,14 +8,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paralm.models.loss import cross_entropy_loss
+from paralm.models.loss import IGNORE_INDEX
 from paralm.models.moe import pop_auxiliary_loss
 from paralm.models.step import StepBatch
 from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.ddp import gradient_sync
+from paralm.parallel.loss_head import LossHead, PlainHead
 from paralm.parallel.precision import autocast
 from paralm.parallel.tensor import local_value, loss_context
 
@@ -76,14 +78,15 @@ class PlainStep:
     tp: int = 1  # tensor-parallel degree: the loss is then computed on vocabulary-sharded logits
     shard: SequenceShard | None = None  # context parallelism: this rank's positions of every sequence
     sync_every_microstep: bool = False  # FSDP reduce-scatters every micro-step (`parallel.shard_grads_every_microstep`)
+    head: LossHead = PlainHead()  # the head's matmul and cross-entropy (`train.loss_impl`)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor | None, tokens: float | None = None):
-        """Loss of the batch (`cross_entropy_loss`), or of this rank's positions of it (with their global
+        """Loss of the batch (`self.head`'s), or of this rank's positions of it (with their global
         positions; document masks are refused with context parallelism)."""
         if self.shard is None:
-            return cross_entropy_loss(self.module(x, **document_kwargs(rest)), y, tokens)
+            return self.head(self.module(x, hidden=self.head.hidden, **document_kwargs(rest)), y, tokens)
         x, y, positions = self.shard(x, y)
-        return cross_entropy_loss(self.module(x, positions=positions), y, tokens)
+        return self.head(self.module(x, positions=positions, hidden=self.head.hidden), y, tokens)
 
     def forward_backward(self, batch: StepBatch, scale: LossScale) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; returns this rank's share of the step's loss: its
@@ -104,6 +107,13 @@ class PlainStep:
         return loss_sum
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean loss of one batch (over its trained targets, with a loss mask)."""
+        """Mean loss of one batch (over its trained targets, with a loss mask), on every rank. Under context
+        parallelism each cp rank sums its positions' losses over the whole batch's trained targets and the
+        shares are added up: a mean of the shards' means would weigh targets unequally (or be 0/0 on a
+        shard that trains none)."""
+        tokens = None if self.shard is None else float((y != IGNORE_INDEX).sum())
         with autocast(self.device, self.dtype), loss_context(self.tp):
-            return local_value(self._loss(x, y, documents))
+            loss = local_value(self._loss(x, y, documents, tokens=tokens))
+        if self.shard is not None:
+            dist.all_reduce(loss, group=self.shard.group)
+        return loss

@@ -12,9 +12,9 @@ from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import LEAD
 from paralm.param_server.server import Server
 from paralm.param_server.worker import Worker
+from paralm.train.checkpoint.choose import checkpoint_to_resume
 from paralm.train.checkpoint.init_from import init_checkpoint, init_source
 from paralm.train.checkpoint.masked import saved_masks
-from paralm.train.checkpoint.store import checkpoint_to_resume
 from paralm.train.engine import StepEngine
 
 

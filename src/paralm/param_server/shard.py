@@ -20,7 +20,8 @@ from paralm.parallel.runtime import Runtime
 from paralm.param_server.protocol import LEAD, Endpoint, Tag, recv_object, send_object, shard_bounds
 from paralm.sync.base import SyncStrategy, TrainingState
 from paralm.sync.flat import unflatten
-from paralm.train.checkpoint.store import checkpoint_to_resume, load_checkpoint, save_checkpoint, trainer_state
+from paralm.train.checkpoint.choose import checkpoint_to_resume
+from paralm.train.checkpoint.store import load_checkpoint, save_checkpoint, trainer_state
 from paralm.train.optim.build import build_optimizer
 from paralm.train.optim.schedule import learning_rate, set_learning_rate
 

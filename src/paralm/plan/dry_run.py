@@ -3,12 +3,14 @@
 For the first rank of every pipeline stage (they differ: embedding, head, layer counts; the ranks of a
 stage hold alike-shaped shards), a fake process group makes this process that rank of N, the model is
 built on the meta device and put through paralm's own `parallelize` (FSDP, TP/SP, the stage cut, EP,
-CP, activation checkpointing; compile skipped), so the strategies' code runs at full scale while no
-tensor takes memory and no data is read or step taken. What the rank would hold is read off the
-shards it got: parameters (local shard bytes), gradients (the same shapes, in the parameters' dtype,
-as FSDP and DDP allocate them) and the optimizer state the configured optimizer would create for them
-(AdamW: two moments like each shard and a step count; SGD: none). Beside them, the planner's
-`stored_states` for the same layout and pipeline rank: `<run.dir>/dry_run.json`.
+CP, the converters such as LoRA, activation checkpointing; compile skipped), so the strategies' code runs
+at full scale while no tensor takes memory and no data is read. What the rank would hold is read off the
+tensors it got: parameters (local shard bytes, frozen ones included; the trainable among them apart),
+gradients (the trainable shards' shapes in their dtype, as FSDP and DDP allocate them) and the optimizer
+state, counted from the optimizer the trainer builds (ZeRO-1's partition of it) after a step of zero
+gradients at learning rate 0 created its state (Muon's one momentum buffer per matrix, AdamW's moments and
+step count on the rest). Beside them, the planner's `stored_states` for the same layout and pipeline rank:
+`<run.dir>/dry_run.json`.
 """
 
 from __future__ import annotations
@@ -28,39 +30,49 @@ from paralm.config.dims import ParallelDims
 from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.models.registry import model_spec
-from paralm.parallel.parallelize import parallelize
+from paralm.parallel.parallelize import ParallelPlan, parallelize
 from paralm.parallel.runtime import rehearsal_runtime
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import stored_states
+from paralm.sync.choose import build_sync
+from paralm.sync.zero1 import initialise_state
+from paralm.train.optim.build import build_configured
 
 RECIPE = "fp32-master"  # how paralm stores model states (fp32 shards; 16-bit copies are transient)
-ADAMW_STEP_BYTES = 4  # torch's AdamW keeps its step count per parameter as a float32 scalar tensor
 
 
-def local_bytes(params: list[nn.Parameter]) -> int:
+def local_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of this rank's shards: a DTensor's local tensor, a plain tensor whole."""
-    return sum(_local(p).numel() * _local(p).element_size() for p in params)
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def optimizer_bytes(params: list[nn.Parameter], optimizer: str, zero1_shards: int) -> int:
-    """The state `optimizer` creates for these shards, from their local shapes (no step is taken).
-    ZeRO-1 (`paralm.sync.zero1`) steps 1/`zero1_shards` of the replicated parameters on each rank."""
-    if optimizer == "sgd":  # paralm's SGD has no momentum buffer
-        return 0
-    moments = 2 * local_bytes(params) + ADAMW_STEP_BYTES * len(params)
-    return round(moments / zero1_shards)
+def rehearsed_optimizer(plan: ParallelPlan, config: Config) -> torch.optim.Optimizer:
+    """The optimizer this rank steps, as the trainer builds it, its state created (`initialise_state`). Of the
+    sync strategies only ZeRO-1 changes what it holds (its `inner` steps this rank's partition; the trainer
+    builds none under replica groups); the others are not built here (replica groups would join a quorum)."""
+    optimizer = build_configured(plan.model, config)
+    if plan.runtime.dims.zero1_enabled and not config.sync.fault_tolerant:
+        optimizer = build_sync(plan, config).prepare(optimizer)
+    stepped = getattr(optimizer, "inner", optimizer)
+    initialise_state(stepped)
+    return stepped
 
 
-def measure(model: nn.Module, config: Config, dims: ParallelDims) -> dict[str, int]:
-    """Parameters, gradients and optimizer state this rank holds of `model` (each tensor once)."""
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    held = local_bytes(params)
-    zero1 = dims.shards if dims.zero_stage == 1 else 1
-    return {"parameters": held, "gradients": held, "optimizer": optimizer_bytes(params, config.train.optimizer, zero1)}
+def measure(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameters (all, and those that train), gradients and optimizer state this rank holds (each tensor once)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    trainable = local_bytes([p for p in params if p.requires_grad])
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": local_bytes(params),
+        "trainable_parameters": trainable,
+        "gradients": trainable,
+        "optimizer": local_bytes(state),
+    }
 
 
 def planned(config: Config, dims: ParallelDims, stage: int) -> dict[str, float]:
@@ -78,7 +90,7 @@ def rehearse(config: Config, world_size: int, rank: int) -> dict[str, int]:
         with torch.device("meta"):
             model = model_spec(config.model).build(config.model)
         plan = parallelize(model, runtime, config)
-        return measure(plan.model, config, runtime.dims)
+        return measure(plan.model, rehearsed_optimizer(plan, config))
     finally:
         end_fake_process_group()
 
@@ -93,14 +105,14 @@ def dry_run(config: Config, world_size: int, log: Callable[[str], None] = print)
             "--dry-run rehearses a given layout: set it (paralm plan proposes one) instead of parallel.auto"
         )
     dims = ParallelDims.from_config(config.parallel, config.sync, world_size)
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile=False))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile="off"))
     per_stage = world_size // dims.pp
     ranks = []
     for stage in range(dims.pp):
         start = time.perf_counter()
         rank = stage * per_stage
         measured, plan = rehearse(config, world_size, rank), planned(config, dims, stage)
-        worst = max(abs(measured[k] - plan[k]) / max(plan[k], 1) for k in measured)
+        worst = max(abs(measured[k] - plan[k]) / max(plan[k], 1) for k in plan)
         log(
             f"dry run: rank {rank} (pipeline stage {stage}) built in {time.perf_counter() - start:.1f} s: "
             f"{_gib(measured)} measured, {_gib(plan)} planned, worst {100 * worst:.1f}% apart"

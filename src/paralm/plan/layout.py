@@ -16,6 +16,7 @@ from paralm.config.degrees import resolve_grad_accum
 from paralm.config.dims import ParallelDims
 from paralm.config.dtypes import DTYPE_BYTES
 from paralm.config.schema import Config
+from paralm.convert.lora import block_adapters
 from paralm.models.registry import model_shape
 from paralm.models.shape import ModelShape
 from paralm.parallel.split import stage_split
@@ -55,6 +56,9 @@ class Workload:
     attention_kernel: str = "flash2"
     muon_ns_steps: int = 0  # train.optimizer = "muon": its Newton-Schulz steps (`paralm.plan.muon`); 0 without
     muon_ns_dtype: str = "bf16"  # and their dtype (`train.muon_ns_dtype`)
+    # LoRA (`train.lora_rank`): one block's adapters (split by tp, whole on every tp rank), the only parameters
+    # that train (`paralm.convert.lora.block_adapters`); None: every parameter trains
+    lora_adapters: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
@@ -77,10 +81,15 @@ class Workload:
             config.comm.topk_ratio,
             config.parallel.shard_grads_every_microstep,
             config.precision.float8,
-            config.train.compile,
+            config.train.compile != "off",
             muon_ns_steps=config.train.muon_ns_steps if muon else 0,
             muon_ns_dtype=config.train.muon_ns_dtype,
+            lora_adapters=block_adapters(config) if config.train.lora_rank else None,
         )
+
+    @property
+    def muon(self) -> bool:
+        return self.muon_ns_steps > 0
 
     @property
     def element_bytes(self) -> int:

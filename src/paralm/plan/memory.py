@@ -1,7 +1,8 @@
 """Memory per device: model states, activations, embeddings, logits and loss, buffers; each term separately.
 
 Model states follow Rajbhandari et al. 2020 (ZeRO, sec. 3 and 5): stage 1 shards the optimizer state,
-stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` (x cp) ranks. Activations
+stage 2 also the gradients, stage 3 also the parameters, over the `dp_shard` (x cp) ranks; only parameters
+that train have gradients and optimizer state (LoRA freezes the base; `paralm.plan.trained`). Activations
 follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, sec. 4),
 in bytes per layer for 16-bit activations with 1-byte dropout masks, generalised to any element size
 and to the widths each family's `ModelShape` states (grouped-query k and v, a gated MLP's tensors).
@@ -22,6 +23,7 @@ from paralm.config.zero import per_rank
 from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload
+from paralm.plan.trained import expert_slots, rank_adapter_params, rank_optimizer_slots
 
 # Bytes per parameter for a 16-bit compute dtype: (parameters, gradients, fp32 master copy). The
 # optimizer adds 4 bytes per fp32 slot. In fp32 every recipe is (4, 4, 0): the parameters are the master.
@@ -49,11 +51,15 @@ def state_bytes(element_bytes: int, recipe: str) -> tuple[int, int, int]:
 
 
 @functools.cache  # pure, and asked again for every micro-batch size and checkpointing choice of a layout
-def model_states(params: float, dtype: str, recipe: str, optimizer_slots: int, zero: int, shards: int) -> ModelStates:
-    """Parameter, gradient and optimizer bytes on one device holding a 1/`shards` ZeRO shard."""
+def model_states(
+    params: float, dtype: str, recipe: str, optimizer_slots: float, zero: int, shards: int, trained: float | None = None
+) -> ModelStates:
+    """Parameter, gradient and optimizer bytes on one device holding a 1/`shards` ZeRO shard. Of the `params`,
+    `trained` (all by default) have gradients and optimizer state; the rest (LoRA's frozen base) weights only."""
     param, grad, master = state_bytes(DTYPE_BYTES[dtype], recipe)
+    trained = params if trained is None else trained
     optim = master + 4 * optimizer_slots
-    held = per_rank({"params": params * param, "grads": params * grad, "optim": params * optim}, zero, shards)
+    held = per_rank({"params": params * param, "grads": trained * grad, "optim": trained * optim}, zero, shards)
     return ModelStates(param_bytes=held["params"], grad_bytes=held["grads"], optim_bytes=held["optim"])
 
 
@@ -128,16 +134,7 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return (
-            self.param_bytes
-            + self.grad_bytes
-            + self.optim_bytes
-            + self.activation_bytes
-            + self.embedding_bytes
-            + self.logits_bytes
-            + self.buffer_bytes
-            + self.runtime_bytes
-        )
+        return sum(vars(self).values())
 
 
 def rank_params(shape: ModelShape, layout: Layout, rank: Rank) -> float:
@@ -189,11 +186,19 @@ def logits_bytes(shape: ModelShape, tokens: int, t: int, element_bytes: int) -> 
     return 2 * element_bytes * tokens * shape.d_model + vocab * (12 + (element_bytes if element_bytes < 4 else 0))
 
 
+def rank_held(layout: Layout, work: Workload, rank: Rank) -> tuple[float, float, float]:
+    """(parameters, the routed experts among them, those that train) on one device of `rank`: all, or with LoRA
+    its adapters, the only ones that train (`paralm.plan.trained`)."""
+    params, experts = rank_params(work.shape, layout, rank), rank_expert_params(work.shape, layout, rank)
+    adapters = rank_adapter_params(work, layout, rank)
+    return params + adapters, experts, adapters if work.lora_adapters else params
+
+
 def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -> Memory:
     shape, e = work.shape, work.element_bytes
     t, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
-    params, experts = rank_params(shape, layout, rank), rank_expert_params(shape, layout, rank)
-    states = _sharded_states(params, experts, layout, work)
+    params, experts, trained = rank_held(layout, work, rank)
+    states = _sharded_states(params, experts, trained, layout, work, rank)
     if layout.zero >= 2 and layout.shards > 1:
         states = _fsdp_states(states, params, experts, layout, work)
     elif layout.zero == 1 and layout.dp_shard > 1:  # paralm.sync.zero1 keeps the averaged gradient shard
@@ -201,7 +206,7 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
     if layout.ps_servers:  # the servers keep the optimizer state (and step it)
         states = ModelStates(states.param_bytes, states.grad_bytes, 0.0)
     elif work.sync == "diloco":  # DiLoCo (Douillard et al. 2023): fp32 anchor copy and outer momentum
-        states = ModelStates(states.param_bytes, states.grad_bytes, states.optim_bytes + 8 * params)
+        states = ModelStates(states.param_bytes, states.grad_bytes, states.optim_bytes + 8 * trained)
 
     b, s = layout.pipeline_batch, layout.sequence(shape)  # context parallelism: this rank's positions
     split_width = shape.attention_saved + shape.mlp_saved
@@ -226,17 +231,22 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
         activations,
         embedding,
         logits,
-        buffer_bytes(layout, work, params),
+        buffer_bytes(layout, work, params, trained),
         cluster.runtime_bytes,
     )
 
 
-def _sharded_states(params: float, experts: float, layout: Layout, work: Workload) -> ModelStates:
-    """Model states of a device whose routed experts (`experts` of `params`) are sharded over their own group."""
-    dense = model_states(params - experts, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.shards)
+def _sharded_states(
+    params: float, experts: float, trained: float, layout: Layout, work: Workload, rank: Rank
+) -> ModelStates:
+    """Model states of a device whose routed experts (`experts` of `params`) are sharded over their own group,
+    `trained` of `params` with gradients and optimizer state (`rank_held`)."""
+    dense_trained = trained - experts
+    slots = rank_optimizer_slots(work, layout, rank, dense_trained)
+    dense = model_states(params - experts, work.dtype, work.recipe, slots, layout.zero, layout.shards, dense_trained)
     if not experts:
         return dense
-    routed = model_states(experts, work.dtype, work.recipe, work.optimizer_slots, layout.zero, layout.expert_shards)
+    routed = model_states(experts, work.dtype, work.recipe, expert_slots(work), layout.zero, layout.expert_shards)
     return ModelStates(*(a + b for a, b in zip(vars(dense).values(), vars(routed).values(), strict=True)))
 
 
@@ -254,14 +264,14 @@ def stored_states(layout: Layout, work: Workload, rank: Rank) -> ModelStates:
     """The model states a device keeps between steps, as paralm stores them (the dry run's plan): the
     model states of `rank_memory` without ZeRO-2's parameters gathered for forward and backward (FSDP
     stores the fp32 shard only) and ZeRO-1's whole gradients before their reduce-scatter."""
-    params, experts = rank_params(work.shape, layout, rank), rank_expert_params(work.shape, layout, rank)
-    states = _sharded_states(params, experts, layout, work)
+    params, experts, trained = rank_held(layout, work, rank)
+    states = _sharded_states(params, experts, trained, layout, work, rank)
     if layout.zero >= 2 and layout.shards > 1 and work.recipe == "fp32-master":
         return ModelStates(sharded_params(params, experts, layout) * 4, states.grad_bytes, states.optim_bytes)
     return states
 
 
-def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
+def buffer_bytes(layout: Layout, work: Workload, params: float, trained: float) -> float:
     """Communication and cast buffers beyond the model states (stated assumptions):
     - ZeRO-3 gathers parameters in the compute dtype: two blocks at a time (the one computing and the
       one prefetched, FSDP's default) without a pipeline; the whole rank with one, since gathering
@@ -279,9 +289,9 @@ def buffer_bytes(layout: Layout, work: Workload, params: float) -> float:
     e, layer = work.element_bytes, block_params(work.shape, layout)
     param_bytes, grad_bytes, _ = state_bytes(e, work.recipe)
     accumulating = layout.zero >= 2 and layout.shards > 1 and layout.grad_accum > 1
-    unsharded_grads = params * grad_bytes if accumulating and not work.sharded_accumulation else 0.0
+    unsharded_grads = trained * grad_bytes if accumulating and not work.sharded_accumulation else 0.0
     if layout.zero == 1:
-        unsharded_grads = params * grad_bytes * (1 - 1 / layout.dp_shard)
+        unsharded_grads = trained * grad_bytes * (1 - 1 / layout.dp_shard)
     if layout.zero >= 3:
         gathered = params if layout.pp > 1 else 2 * layer
         return unsharded_grads + gathered * e + layer * DTYPE_BYTES[work.reduce_dtype]

@@ -16,7 +16,8 @@ from paralm.errors import UserError
 from paralm.models.registry import model_spec
 from paralm.parallel.runtime import select_device
 from paralm.runs.quantized import is_quantized, load_quantized
-from paralm.train.checkpoint.store import check_compatible, load_checkpoint, resolve_checkpoint, run_checkpoint
+from paralm.train.checkpoint.choose import check_compatible, resolve_checkpoint
+from paralm.train.checkpoint.store import load_checkpoint, run_checkpoint
 
 
 @dataclass

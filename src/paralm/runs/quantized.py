@@ -25,7 +25,7 @@ from paralm.convert.schemes import check_scheme, quantize_layers
 from paralm.errors import UserError
 from paralm.models.registry import model_spec
 from paralm.models.spec import ModelSpec, tied_parameters
-from paralm.train.checkpoint.store import check_compatible
+from paralm.train.checkpoint.choose import check_compatible
 
 QUANTIZED_FILE = "quantization.json"
 WEIGHTS_FILE = "model.safetensors"

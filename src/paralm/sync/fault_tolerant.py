@@ -13,6 +13,7 @@ module is the glue to paralm's loop and state.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +46,7 @@ class ReplicaGroups(SyncStrategy):
         self.optimizer: torch.optim.Optimizer | None = None
         self.position = (0, 0)  # the loop's (step, samples seen): a healing group takes its peer's
         self.joined = False
-        self.store, address, port = _group_store(runtime)  # kept: the group's manager lives on it
+        self.store, address, port = _group_store(runtime, sync.ft_bind)  # kept: the group's manager lives on it
         with compat.torchft_manager_bound_to(sync.ft_bind):
             self.manager = _manager(runtime, sync, lighthouse, (address, port))
 
@@ -126,17 +127,31 @@ def _manager(runtime: Runtime, sync: SyncConfig, lighthouse: str, store: tuple[s
     )
 
 
-def _group_store(runtime: Runtime) -> tuple[dist.TCPStore | None, str, int]:
+def _group_store(runtime: Runtime, bind: str) -> tuple[dist.TCPStore | None, str, int]:
     """A TCP store for the group's manager, hosted by the group's rank 0 (a one-process group has no
-    launcher's store); its port reaches the other ranks on the host group."""
-    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    launcher's store); its port reaches the other ranks on the host group. With `bind` (`sync.ft_bind`) it
+    listens there alone, as the manager's servers do."""
+    address = bind or os.environ.get("MASTER_ADDR", "127.0.0.1")
     store, port = None, torch.zeros(1, dtype=torch.int64)
     if runtime.rank == 0:
-        store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+        store = _store_on(bind) if bind else dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
         port[0] = store.port
     if runtime.distributed:
         dist.broadcast(port, src=0, group=runtime.host_group)
     return store, address, int(port[0])
+
+
+def _store_on(host: str) -> dist.TCPStore:
+    """A store listening on `host` alone: TCPStore binds every interface unless handed a listening socket."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+    except OSError as e:
+        listener.close()
+        raise UserError(f"sync.ft_bind = {host}: cannot listen there ({e}); use an address of this machine") from None
+    listener.listen()
+    port = listener.getsockname()[1]  # the store owns the socket from here
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def _cross_group(device: torch.device, timeout: timedelta) -> Any:

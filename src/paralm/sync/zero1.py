@@ -162,7 +162,7 @@ class ZeroOneState(TrainingState):
         shard_name = {id(shard): name_of[p.data_ptr()] for p, shard in self.sync.shard_of.items()}
 
         inner = self.optimizer.inner
-        _initialise_state(inner)
+        initialise_state(inner)
         flat = {f"state.{shard_name[id(s)]}.{k}": v for s, state in inner.state.items() for k, v in state.items()}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -207,7 +207,7 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Pa
 
 
 @torch.no_grad()
-def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+def initialise_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state (e.g. Adam's moments) with a step of zero gradients at lr 0, so
     there are tensors to save or to load into before the first real step (as `get_state_dict` does)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -29,9 +29,10 @@ from paralm.parallel.parallelize import parallelize
 from paralm.parallel.precision import LossScaler
 from paralm.parallel.runtime import Runtime
 from paralm.sync.choose import build_sync
+from paralm.train.checkpoint.choose import check_adapters, checkpoint_to_resume
 from paralm.train.checkpoint.init_from import init_checkpoint, init_source, load_init
 from paralm.train.checkpoint.masked import MaskedState, run_masks
-from paralm.train.checkpoint.store import checkpoint_to_resume, load_checkpoint
+from paralm.train.checkpoint.store import load_checkpoint
 from paralm.train.validation import validation_loss
 
 
@@ -63,6 +64,8 @@ class StepEngine:
         self.init_from = init_source(config, self.resume_from)  # a new run's weights: another model's
         # a pruned run keeps its masks (`paralm prune`), and so does a run started from one
         pruned = run_masks(config, self.resume_from or init_checkpoint(self.init_from))
+        if self.resume_from is not None:  # after a pruned run's refusal of LoRA, which says more
+            check_adapters(self.resume_from, config.train.lora_rank)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
         self.hooks = after_step_hooks(self.plan.model, self.runtime.dp_group, self.masks)
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
@@ -104,6 +107,11 @@ class StepEngine:
             # replica group's; an asynchronous parameter-server worker's batch is its own), each with its cp ranks
             replicas = self.layout.dp_size * self.runtime.dims.cp
             batch.loss_tokens = max(batch.trained, 1) / replicas
+            groups = self.config.sync.replica_groups
+            if groups > 1:  # each group logs the loss of the share it read, as it does without a mask
+                own = start + self.config.sync.ft_group * self.group_batch
+                batch.trained = data.trained_tokens(seed, own, self.group_batch)
+                batch.reported_tokens = max(batch.trained, 1) / (replicas // groups)
         for first in self.layout.micro_batch_starts(start, self.dp_rank):
             micro = [*data.sample(seed, first, size)]
             if self.config.data.document_mask:
@@ -113,8 +121,10 @@ class StepEngine:
 
     def forward_backward(self, batch: StepBatch) -> torch.Tensor:
         """Accumulate gradients over the micro-batches, syncing only on the last; returns this rank's
-        mean loss over them (0 on pipeline ranks without the last stage)."""
-        return self.plan.forward_backward(batch, self.scaler.scale)
+        mean loss over them (0 on pipeline ranks without the last stage), or with a loss mask its share of the
+        masked loss its job logs (`StepBatch.reported_tokens`)."""
+        loss = self.plan.forward_backward(batch, self.scaler.scale)
+        return loss if batch.reported_tokens is None else loss * (batch.loss_tokens / batch.reported_tokens)
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (collective over the ranks that step together): `val_loss`, and with a mixture

@@ -2,8 +2,8 @@
 
 Every rank reads the rows back (a collective) and reviews their skipped steps alike, so that all of them
 stop together after too many; rank 0 alone writes (`metrics.jsonl`, TensorBoard, the progress bar) with the
-lines that go with the rows: the start-up notes, the memory measured after the first step, a persistent
-straggler, an fp16 overflow and, with `log.comm_bytes`, the run's bytes.
+lines that go with the rows: the start-up notes, the memory measured after the first step, what was compiled
+(`paralm.parallel.compile`), a persistent straggler, an fp16 overflow and, with `log.comm_bytes`, the run's bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from paralm.config.schema import Config
 from paralm.hardware import startup_notes
 from paralm.observe.run import RunObserver
+from paralm.parallel.compile import describe_compiled
 from paralm.parallel.runtime import Runtime
 from paralm.train.bad_steps import BadSteps
 from paralm.train.engine import StepEngine
@@ -74,12 +75,15 @@ class LoopLog:
         return rows
 
     def write(self, rows: list[dict[str, Any]], first: int) -> None:
-        """Rank 0: the rows into the run log; after the run's `first` step, the memory it measured."""
+        """Rank 0: the rows into the run log; after the run's `first` step, the memory it measured, and after the
+        next (a second step shows whether anything compiled again) what `train.compile` compiled."""
         if not self.logger:
             return
         for row in rows:
             if row["step"] == first:
                 self.logger.message(describe_measured(row, self.prediction))
+            if row["step"] == min(first + 1, self.config.train.steps - 1):
+                self.message(describe_compiled(row))
             self.logger.write(row)
             self.logger.progress(row)
             self.observer.review(row, self.logger.message)  # a persistent straggler: one warning line

@@ -147,6 +147,10 @@ class ModelStateMeter(StepHook):
         model.register_forward_hook(self._after_forward)
 
     def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
+        # traced into a compiled step (`train.compile = "model"`) it would recompile it whenever `measuring` flips;
+        # `after_backward` counts what is held then instead, the same where that compiles (no FSDP)
+        if torch.compiler.is_compiling():
+            return
         if self.measuring and torch.is_grad_enabled():  # training, not evaluation
             held = local_bytes([*module.parameters(), *_optimizer_params(self.optimizer)])
             self._param_bytes = max(self._param_bytes, held)

@@ -18,6 +18,7 @@ from paralm.errors import Interrupted
 from paralm.models.step import StepHooks
 from paralm.observe.run import RunObserver
 from paralm.parallel.comm_stats import StepBytes
+from paralm.parallel.compile import CompileCounts
 from paralm.parallel.runtime import Runtime
 from paralm.train.bad_steps import BadSteps
 from paralm.train.checkpoint.loop import LoopCheckpoints
@@ -37,17 +38,18 @@ class Trainer:
         self.config, self.runtime = config, runtime
         self.engine = engine = StepEngine(config, runtime)
         self.observer = observer or RunObserver(config, closed_by_fit=True)  # `paralm.job` gives the run's
-        self.observer.attach(runtime, engine.module)
+        self.observer.attach(runtime)
         self.optimizer = engine.sync.prepare(build_configured(engine.model, config))
         self.memory = ModelStateMeter(engine.model, self.optimizer)
         self.bad = BadSteps(config, runtime, engine.sync)
         self.checkpoints = LoopCheckpoints(config, runtime, engine, self.optimizer)
         self.step, self.samples_seen = self.checkpoints.restore()
         self.metrics = StepMetrics.of_run(config, runtime, engine.shape.flops_per_token, engine.group_batch)
-        # the step's hooks: the observer, the memory meter, the converters' (MoE balance, pruning masks), and
-        # last the byte counter, which counts the collectives of those before it
+        # the step's hooks: the observer, the memory meter, the converters' (MoE balance, pruning masks), what
+        # torch compiled, and last the byte counter, which counts the collectives of those before it
+        compiled = [CompileCounts()] if config.train.compile != "off" else []
         counted = [StepBytes(runtime.comm)] if config.log.comm_bytes else []
-        self.hooks = StepHooks([self.observer, self.memory, *engine.hooks, *counted])
+        self.hooks = StepHooks([self.observer, self.memory, *engine.hooks, *compiled, *counted])
         self.log = LoopLog(config, runtime, self.metrics, self.bad, self.observer)
         self.log.open(engine, self.optimizer, self.step)
 

@@ -37,7 +37,9 @@ def validation_loss(
 
     The windows are split over data-parallel ranks and their loss sums added up, so the result is
     the same for any number of ranks; every rank runs the same number of forwards (ZeRO-3's are
-    collectives). With a loss mask only the trained targets count, each alike.
+    collectives). With a loss mask only the trained targets count, each alike. `batch_loss` gives a batch's
+    mean on every rank that scores it, tensor- and context-parallel ones alike: each adds it weighed by the
+    batch's trained targets, so the tokens scored are the sum over their number.
     """
     windows = sample_windows(seed + EVAL_SEED_OFFSET, 0, samples, dataset.num_windows)
     dp, dp_rank = (1, 0) if runtime is None else (runtime.dims.dp, runtime.dp_rank)
@@ -61,6 +63,8 @@ def validation_loss(
         if loss is not None and scored:  # None on pipeline ranks without the last stage: they add nothing
             total += torch.stack([loss.double() * scored, torch.tensor(scored, dtype=torch.float64, device=device)])
     model.train(was_training)
+    copies = 1  # ranks that add the same windows: a data-parallel rank's tensor- and context-parallel ones
     if runtime is not None:
         runtime.all_reduce(total)
-    return (total[0] / total[1]).item(), int(total[1].item())
+        copies = runtime.dims.tp * runtime.dims.cp
+    return (total[0] / total[1]).item(), round(total[1].item() / copies)

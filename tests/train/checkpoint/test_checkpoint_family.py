@@ -1,5 +1,7 @@
 """A checkpoint records its model family, and loads only into a config of that family: resuming, evaluating
-or generating with another `model.family` is one line naming both, before any tensor is read."""
+or generating with another `model.family` is one line naming both, before any tensor is read. A run resumes
+with LoRA adapters only a checkpoint that holds them, and without them only one that does not: the other
+way is one line saying how to start LoRA from it (a new run with `checkpoint.init_from`)."""
 
 import pytest
 
@@ -7,7 +9,8 @@ import paralm.train.checkpoint.store as checkpoint_module
 from paralm.cli import main
 from paralm.errors import UserError
 from paralm.job import train
-from paralm.train.checkpoint.store import checkpoint_model_config, latest_checkpoint
+from paralm.train.checkpoint.choose import checkpoint_model_config
+from paralm.train.checkpoint.store import latest_checkpoint
 from tests.helpers import tiny_config
 
 LLAMA = {"family": "llama", "n_kv_heads": 1}
@@ -50,3 +53,22 @@ def test_evaluating_with_another_family_is_one_line_naming_both(gpt2_run, no_ten
     assert main(["eval", "--run", str(gpt2_run.run.dir), *overrides]) == 2
     err = capsys.readouterr().err
     assert "model.family = 'gpt2' there, 'llama' here" in err and err.count("\n") == 1, err
+
+
+def test_resuming_with_other_adapters_than_the_checkpoints_is_one_line(gpt2_run, tmp_path):
+    lora = {"lora_rank": 4, "steps": 2}
+    with pytest.raises(UserError) as refused:  # LoRA in the plain run's own folder
+        train(tiny_config(gpt2_run.run.dir, train=lora))
+    path = latest_checkpoint(gpt2_run.run.dir)
+    fix = "trained without LoRA and train.lora_rank = 4 would resume it with adapters: start LoRA from it in a new "
+    assert fix in str(refused.value) and f"checkpoint.init_from={path}" in str(refused.value)
+    assert "\n" not in str(refused.value) and path.name == "step_000001"  # nothing written
+    adapted = tiny_config(tmp_path / "lora", train=lora | {"steps": 1}, checkpoint={"init_from": str(path)})
+    train(adapted)  # the fix the message gives
+    with pytest.raises(UserError, match=r"holds LoRA adapters and train\.lora_rank = 0 would resume it without"):
+        train(tiny_config(adapted.run.dir, train={"steps": 2}))
+
+
+def test_a_checkpoint_evaluates_under_another_attention_kernel(gpt2_run):
+    """The kernel (`model.attention_backend`) does not shape the weights: the checkpoint's model is the same."""
+    assert main(["eval", "--run", str(gpt2_run.run.dir), "--model.attention_backend=math"]) == 0

@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from paralm.errors import UserError
 from paralm.job import train
+from paralm.train.checkpoint.choose import resolve_checkpoint
 from paralm.train.checkpoint.integrity import write_manifest
 from paralm.train.checkpoint.reader import SafeFileSystemReader, SafeLoadPlanner
-from paralm.train.checkpoint.store import latest_checkpoint, resolve_checkpoint
+from paralm.train.checkpoint.store import latest_checkpoint
 from tests.helpers import read_metrics, tiny_config
 
 

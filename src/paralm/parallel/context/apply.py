@@ -14,7 +14,7 @@ from paralm.parallel.context.ring import RingAttention
 
 def sequence_shard(cp_mesh: DeviceMesh, method: str) -> SequenceShard:
     """This rank's share of every sequence under `method` (`parallel.cp_method`)."""
-    return SequenceShard(cp_mesh.get_local_rank(), cp_mesh.size(), zigzag=method == "ring")
+    return SequenceShard(cp_mesh.get_local_rank(), cp_mesh.size(), zigzag=method == "ring", group=cp_mesh.get_group())
 
 
 def apply_context_parallel(model: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh, method: str) -> None:

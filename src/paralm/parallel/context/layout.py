@@ -3,6 +3,7 @@
 Ring attention takes the zig-zag (load-balanced) layout: the sequence in 2·cp chunks, rank r holding
 chunks r and 2·cp-1-r, so under the causal mask every rank attends to as many (query, key) pairs. The
 all-to-all takes contiguous chunks (rank r the r-th of cp), which its exchange puts back in order.
+A batch's loss is then the sum of the cp ranks' shares, added up over their `group`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,7 @@ class SequenceShard:
     rank: int  # this rank's place in the cp group
     cp: int
     zigzag: bool  # ring attention's layout; contiguous chunks otherwise
+    group: dist.ProcessGroup | None = None  # the cp ranks, holding the other shares (None: the layout alone)
 
     @property
     def chunks(self) -> int:

@@ -1,30 +1,26 @@
 """`checkpoint.init_from`: a new run's weights from a Hugging Face folder or another paralm run, read
 straight into the layout it trains with (FSDP/ZeRO-3, TP, PP, EP shards).
 
-From an HF folder, DCP loads a state dict keyed by the folder's tensor names (the family's name pairs,
-`HFMapping.names`) whose values are the model's own, possibly sharded, parameters; torch's
-`HuggingFaceStorageReader`, limited to the files `read_folder` chose, then reads each rank's slices of the
-safetensors shards and nothing else, and casts them to the parameters' dtype. A family whose mapping fuses,
-splits or transposes tensors (GPT-2, MoE experts) has no pairs: each rank reads the whole folder, maps it,
-and keeps its shards. From a paralm run, DCP reads the model half of its checkpoint, whatever layout wrote
-it, and a pruned run's masks with it (`paralm.train.checkpoint.masked`), so the new run stays pruned; the
-optimizer starts fresh. Either way only the base is read: LoRA adapters (`paralm.convert.lora`) keep their
-fresh initial values. Once the run has a checkpoint of its own, that wins (`checkpoint_to_resume`), said
-in one line.
+From an HF folder, each rank reads only the slices of the folder's tensors its shards cover
+(`paralm.train.checkpoint.hf_reads`), where the family's `HFMapping.pieces` places them: renamed tensors,
+per-expert tensors (a rank reads its experts' only), q, k and v in GPT-2's fused and transposed `c_attn`,
+DeepSeek's interleaved RoPE rows; bf16 weights are cast to the parameters' dtype as they are read. From a
+paralm run, DCP reads the model half of its checkpoint, whatever layout wrote it, and a pruned run's masks
+with it (`paralm.train.checkpoint.masked`), so the new run stays pruned; the optimizer starts fresh.
+Either way only the base is read: LoRA adapters (`paralm.convert.lora`) keep their fresh initial values.
+Once the run has a checkpoint of its own, that wins (`checkpoint_to_resume`), said in one line.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -34,9 +30,12 @@ from paralm.convert.lora import is_adapter
 from paralm.convert.masks import MASKS, Masks
 from paralm.errors import UserError
 from paralm.models.config import to_flat
-from paralm.models.hf_folder import CONFIG_FILE, HFFolder, is_hf_folder, load_tensors, model_fields, read_folder
+from paralm.models.hf_folder import CONFIG_FILE, HFFolder, is_hf_folder, model_fields, read_folder
 from paralm.models.registry import model_shape, model_spec
-from paralm.train.checkpoint.store import check_compatible, latest_checkpoint, load_checkpoint, resolve_checkpoint
+from paralm.models.spec import HFPiece
+from paralm.train.checkpoint.choose import check_compatible, resolve_checkpoint
+from paralm.train.checkpoint.hf_reads import read_slices
+from paralm.train.checkpoint.store import latest_checkpoint, load_checkpoint
 
 
 def init_source(config: Config, resume_from: Path | None) -> str | None:
@@ -112,49 +111,27 @@ def _load_hf(folder: HFFolder, model: nn.Module, config: Config, group: dist.Pro
     _check_model(folder, config)
     spec = model_spec(config.model)
     state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}  # by unsharded names
-    pairs = spec.hf.names(config.model)
-    if pairs is None:
-        whole = spec.hf.from_hf(load_tensors(folder), config.model, folder.source)
-        options = StateDictOptions(full_state_dict=True, strict=False)  # adapters keep their fresh values
-        set_model_state_dict(model, {k: whole[k] for k in state}, options=options)
-        return
-    target = {theirs: state[ours] for ours, theirs in pairs if ours in state}
+    every = spec.hf.pieces(config.model, folder.files.keys())
+    pieces = [piece for piece in every if piece.ours in state]
     if not model_shape(config.model).head_params:  # tied: a last pipeline stage's copy reads the embedding
-        target |= {
-            dict(pairs)[src]: state[copy] for copy, src in spec.tied.items() if copy in state and src not in state
-        }
-    for name, tensor in target.items():
-        if name not in folder.files:
-            raise UserError(f"{folder.source} has no tensor {name}: not the model its config.json describes")
-        if tuple(tensor.shape) != folder.shapes[name]:
-            raise UserError(
-                f"{folder.source}: {name} is {list(folder.shapes[name])}, config.json implies {list(tensor.shape)}"
-            )
-    try:
-        dcp.load(target, storage_reader=_FolderReader(folder), process_group=group)
-    except CheckpointException as e:
-        rank, (error, _) = next(iter(sorted(e.failures.items())))
-        raise UserError(f"{folder.path} cannot be read (rank {rank}: {str(error).splitlines()[0][:200]})") from None
+        copies = {src: copy for copy, src in spec.tied.items() if copy in state and src not in state}
+        pieces += [replace(piece, ours=copies[piece.ours]) for piece in every if piece.ours in copies]
+    _check_shapes(folder, pieces, state)
+    read_slices(folder, pieces, state, group)
     with torch.no_grad():
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
-class _FolderReader(dcp.HuggingFaceStorageReader):
-    """torch's safetensors reader limited to the files `read_folder` chose: by itself it reads every
-    `*.safetensors` in the folder, so a stale `model.safetensors` beside shards (or an adapter file) would
-    mix in other weights than `paralm import` and transformers read."""
-
-    def __init__(self, folder: HFFolder) -> None:
-        super().__init__(str(folder.path))
-        self.fs = _Listing(sorted({str(file) for file in folder.files.values()}))
-
-
-class _Listing(FileSystem):
-    """A file system whose folder listing is the files given (the reader finds its files by listing)."""
-
-    def __init__(self, files: list[str]) -> None:
-        super().__init__()
-        self.files = files
-
-    def ls(self, path: str | os.PathLike) -> list[str]:
-        return list(self.files)
+def _check_shapes(folder: HFFolder, pieces: list[HFPiece], state: dict[str, torch.Tensor]) -> None:
+    """Each HF tensor the pieces read is in the folder, and exactly as large as the pieces placed in it."""
+    implied: dict[str, list[int]] = {}
+    for piece in pieces:
+        if piece.theirs not in folder.files:
+            raise UserError(f"{folder.source} has no tensor {piece.theirs}: not the model its config.json describes")
+        shape = state[piece.ours].shape[piece.expert is not None :]  # the whole tensor's, or one expert's
+        end = [start + size for start, size in zip(piece.offset or (0,) * len(shape), shape, strict=True)]
+        end = end[::-1] if piece.transposed else end
+        implied[piece.theirs] = [max(a, b) for a, b in zip(implied.get(piece.theirs, end), end, strict=True)]
+    for name, shape in implied.items():
+        if tuple(shape) != folder.shapes[name]:
+            raise UserError(f"{folder.source}: {name} is {list(folder.shapes[name])}, config.json implies {shape}")

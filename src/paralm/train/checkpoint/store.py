@@ -37,13 +37,8 @@ from paralm.config.schema import (
     CONFIG_FILE,
     REPLICA_GROUP_DIR,
     Config,
-    ModelConfig,
-    file_sections,
-    replica_group_dir,
 )
-from paralm.config.source import read_toml
 from paralm.errors import UserError
-from paralm.models.config import to_flat
 from paralm.parallel.runtime import Runtime
 from paralm.sync.base import TrainingState
 from paralm.train.checkpoint.integrity import MANIFEST_FILE, damage, write_manifest
@@ -112,7 +107,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         problem = damage(path)
         if problem is None:
             return path
-        _report(f"checkpoint {path} is damaged ({problem}); trying the previous one")
+        report(f"checkpoint {path} is damaged ({problem}); trying the previous one")
     return None
 
 
@@ -125,7 +120,7 @@ def run_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found, key=checkpoint_step, default=None)
 
 
-def _report(text: str) -> None:
+def report(text: str) -> None:
     """One line from the job, not one per rank."""
     if os.environ.get("RANK", "0") == "0":
         print(f"paralm: {text}", file=sys.stderr, flush=True)
@@ -198,43 +193,6 @@ def _prune(newest: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder given by the user, checked to be complete and undamaged."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"checkpoint {path} does not exist: pass a folder like <run.dir>/checkpoints/step_000100")
-    if not is_complete(path):
-        raise UserError(
-            f"{path} is not a complete checkpoint (it has no {MANIFEST_FILE}); "
-            "it may have been interrupted while saving: use an earlier one"
-        )
-    problem = damage(path)
-    if problem is not None:
-        raise UserError(f"checkpoint {path} is damaged ({problem}): use an earlier one")
-    return path
-
-
-def checkpoint_to_resume(config: Config) -> Path | None:
-    """The checkpoint `checkpoint.resume` names for this run (None: start fresh), checked against the model."""
-    resume = config.checkpoint.resume
-    if resume == "none":
-        return None
-    run_dir, sync = Path(config.run.dir), config.sync
-    if resume != "auto":
-        path = resolve_checkpoint(resume)
-    elif sync.fault_tolerant and run_dir == replica_group_dir(run_dir.parent, sync.ft_group):
-        # a replica group of `paralm train --replicas`: the run's own checkpoints and every group's count
-        # (each folder's newest is checked once: checking hashes every file)
-        path = run_checkpoint(run_dir.parent)
-        if path is not None:
-            _report(f"replica group {sync.ft_group} resumes from {path}")
-    else:
-        path = latest_checkpoint(run_dir)
-    if path is not None:
-        check_compatible(path, config.model)
-    return path
-
-
 def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
         state = json.loads((path / STATE_FILE).read_text())
@@ -243,32 +201,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"{path / STATE_FILE} is corrupt: resume from an earlier checkpoint") from None
     return state
-
-
-def checkpoint_model_config(path: Path) -> ModelConfig:
-    """The model section of the config that wrote a checkpoint."""
-    return Config.from_dict(file_sections(read_toml(path / CONFIG_FILE)), source=str(path / CONFIG_FILE)).model
-
-
-def check_compatible(path: Path, model: ModelConfig) -> None:
-    """A one-line error, before any tensor is read, when the checkpoint's model is not the one `model`
-    builds: another family (each checkpoint's `config.toml` records it; one written before families
-    existed reads as gpt2, the only one then), or another shape."""
-    saved = checkpoint_model_config(path)
-    if saved.family != model.family:
-        raise UserError(
-            f"checkpoint {path} holds a {saved.family} model and this config builds a {model.family} one "
-            f"(model.family = {saved.family!r} there, {model.family!r} here): a checkpoint loads only into "
-            "its own family"
-        )
-    there, here = to_flat(saved), to_flat(model)
-    differing = [
-        f"model.{name} = {there[name]!r} there, {here[name]!r} here"
-        for name in here
-        if name != "dropout" and there[name] != here[name]
-    ]
-    if differing:
-        raise UserError(f"checkpoint {path} holds a different model: {'; '.join(differing)}")
 
 
 def _is_checkpoint_fault(error: BaseException) -> bool:
