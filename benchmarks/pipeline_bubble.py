@@ -20,6 +20,7 @@ load average is printed) stretches waits and computations alike and blurs the fi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -70,6 +71,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
     from paralm.errors import UserError
     from paralm.models.registry import model_spec
     from paralm.models.step import StepBatch
+    from paralm.parallel.loss_head import build_loss_head
     from paralm.parallel.pipeline import build_pipeline
     from paralm.parallel.runtime import init_runtime, shutdown
 
@@ -107,6 +109,7 @@ def worker(pp: int, microbatches: list[int], steps: int, warmup: int = 2) -> Non
                 config.parallel,
                 config.precision.dtype,
                 lambda stage: stage,
+                functools.partial(build_loss_head, config.train, config.precision.dtype, runtime.device, 1),
             )
             busy = [0.0]
             for stage in pipe.stages:

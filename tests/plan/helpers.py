@@ -1,5 +1,5 @@
 """Shared by the planner tests: a layout with every field defaulted, a 7.5B-parameter model, and the small
-model, cluster and workload the step-time tests price."""
+model, cluster and workload the step-time tests price, and a small Llama for dry runs."""
 
 import dataclasses
 
@@ -39,3 +39,17 @@ def small_work(batch: int = 64, reduce_dtype: str = "fp32") -> Workload:
 def batched_layout(**fields) -> Layout:
     """`layout` with a micro-batch of 64 sequences unless `fields` say otherwise."""
     return layout(**({"micro_batch_size": 64} | fields))
+
+
+# a small Llama (grouped-query attention) for dry runs against what training builds
+SMALL_LLAMA = [
+    "--model.family=llama",
+    "--model.n_layer=4",
+    "--model.n_head=8",
+    "--model.n_kv_heads=2",
+    "--model.d_model=256",
+    "--model.ffn_hidden=704",
+    "--model.vocab_size=512",
+    "--model.block_size=128",
+    "--precision.dtype=bf16",
+]

@@ -16,18 +16,7 @@ from tests.helpers import tiny_config
 from tests.hf_helpers import assert_same_logits, export
 from tests.multiprocess import run_ranks
 from tests.parallel.model_parallel import train_each
-
-SMALL_LLAMA = [
-    "--model.family=llama",
-    "--model.n_layer=4",
-    "--model.n_head=8",
-    "--model.n_kv_heads=2",
-    "--model.d_model=256",
-    "--model.ffn_hidden=704",
-    "--model.vocab_size=512",
-    "--model.block_size=128",
-    "--precision.dtype=bf16",
-]
+from tests.plan.helpers import SMALL_LLAMA
 
 
 @pytest.mark.parametrize(

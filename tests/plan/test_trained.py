@@ -11,18 +11,7 @@ from paralm.models.registry import model_spec
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import device_memory
-
-LLAMA = [
-    "--model.family=llama",
-    "--model.n_layer=4",
-    "--model.n_head=8",
-    "--model.n_kv_heads=2",
-    "--model.d_model=256",
-    "--model.ffn_hidden=704",
-    "--model.vocab_size=512",
-    "--model.block_size=128",
-    "--precision.dtype=bf16",
-]
+from tests.plan.helpers import SMALL_LLAMA
 
 
 def _model_states(config: Config) -> float:
@@ -34,7 +23,7 @@ def _model_states(config: Config) -> float:
 
 
 def test_lora_prices_the_frozen_base_as_weights_only() -> None:
-    full, lora = load_config(None, LLAMA), load_config(None, [*LLAMA, "--train.lora_rank=8"])
+    full, lora = load_config(None, SMALL_LLAMA), load_config(None, [*SMALL_LLAMA, "--train.lora_rank=8"])
     spec = model_spec(lora.model)
     with torch.device("meta"):
         model = spec.build(lora.model)
