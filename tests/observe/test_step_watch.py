@@ -3,6 +3,7 @@ long, write no "stuck" report (the SIGTERM that follows one would end the rank w
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -11,7 +12,7 @@ from paralm.observe.step_watch import StepWatch
 from paralm.train.checkpoint.loop import LoopCheckpoints
 from paralm.train.engine import StepEngine
 from tests.helpers import tiny_config
-from tests.multiprocess import free_port
+from tests.multiprocess import run_ranks
 
 TIMEOUT_S = 0.3
 SLOW_S = 0.8  # well past the deadline: the watchdog polls every TIMEOUT_S / 10
@@ -51,23 +52,28 @@ def test_between_steps_and_while_compiling_the_clock_stops_and_a_stuck_step_stil
         watch.close(finished=True)
 
 
-def test_a_slow_validation_and_checkpoint_save_leave_no_report_and_the_run_ends(tmp_path, monkeypatch):
-    run_dir = tmp_path / "run"
-    seen = []  # whether a "stuck" report is on disk as each slow section ends
+def _train_slowly(config) -> list[bool]:
+    """One rank (its own process: the run's process group and watchdog stay out of the test process): evaluation
+    and checkpoint saves made slow; whether a "stuck" report is on disk as each slow section ends."""
+    seen, report = [], Path(config.run.dir) / "hang" / "rank0.json"
 
     def slowly(work):
         def run(*args, **kwargs):
             time.sleep(SLOW_S)
-            seen.append((run_dir / "hang" / "rank0.json").exists())
+            seen.append(report.exists())
             return work(*args, **kwargs)
 
         return run
 
-    monkeypatch.setattr(StepEngine, "evaluate", slowly(StepEngine.evaluate))
-    monkeypatch.setattr(LoopCheckpoints, "save", slowly(LoopCheckpoints.save))
-    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1"}  # one rank
-    for name, value in (torchrun | {"RANK": "0", "LOCAL_RANK": "0"}).items():
-        monkeypatch.setenv(name, value)
-    config = tiny_config(run_dir, train={"steps": 2}, parallel={"force_distributed": True, "timeout_s": TIMEOUT_S})
+    StepEngine.evaluate = slowly(StepEngine.evaluate)
+    LoopCheckpoints.save = slowly(LoopCheckpoints.save)
     paralm.job.train(config)  # the last step evaluates and saves, then the run ends
+    return seen
+
+
+def test_a_slow_validation_and_checkpoint_save_leave_no_report_and_the_run_ends(tmp_path):
+    config = tiny_config(
+        tmp_path / "run", train={"steps": 2}, parallel={"force_distributed": True, "timeout_s": TIMEOUT_S}
+    )
+    seen = run_ranks(_train_slowly, 1, tmp_path, config)[0]
     assert seen == [False, False]  # a step may be slow on a loaded machine: its report is gone when it ends
