@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from paralm.config.dtypes import DTYPES
+from paralm.config.fields import option
+from paralm.config.rl import RLConfig
 from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig, flat_fields, from_flat, to_flat
@@ -29,17 +31,6 @@ REPLICA_GROUP_DIR = "group-{}"  # `paralm train --replicas`: replica group g's r
 
 def replica_group_dir(run_dir: str | Path, group: int) -> Path:
     return Path(run_dir) / REPLICA_GROUP_DIR.format(group)
-
-
-def option(
-    default: Any, help: str, choices: tuple[Any, ...] | None = None, aliases: dict[str, Any] | None = None
-) -> Any:
-    """A config field: its default, a one-line help, and optionally the allowed values and the values an earlier
-    version took that still read as one of them (`aliases`, keyed by the value as text: `"true"`)."""
-    metadata = {"help": help, "choices": choices, "aliases": aliases}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -263,6 +254,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> Config:
