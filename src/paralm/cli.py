@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     from paralm.compress.cli import add_compress_verbs
 
     add_compress_verbs(verbs)
+    from paralm.rl.cli import add_rl_verb
+
+    add_rl_verb(verbs)
     return parser
 
 

@@ -54,36 +54,45 @@ class ChatTemplate:
     transformers' template engine, and the tokens that end a reply: the end of text and the special token
     the template puts right after an assistant's turn (e.g. `<|im_end|>`, `<|eot_id|>`)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, option: str = "--chat", instead: str = "drop --chat") -> None:
+        """`option` (what asked for the template: a flag, a config field) and `instead` (the other way out)
+        word the errors."""
         from paralm.hf.export import transformers_tokenizer
 
+        self.option = option
         self.tokenizer = transformers_tokenizer(data_dir)
         if not self.tokenizer.chat_template:
             raise UserError(
-                f"--chat: the run's tokenizer ({data_dir}) has no chat template: train on data prepared with a "
-                "tokenizer folder whose tokenizer_config.json has a chat_template, or drop --chat"
+                f"{option}: the run's tokenizer ({data_dir}) has no chat template: train on data prepared with a "
+                f"tokenizer folder whose tokenizer_config.json has a chat_template, or {instead}"
             )
         self.stop = sorted({self.tokenizer.eos_token_id, *self._end_of_turn()})
 
-    def _render(self, messages: list[dict], **options: bool) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool = True) -> str:
+        """The conversation as text, by default followed by the generation prompt (the reply's turn opened)."""
         from jinja2 import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except TemplateError as e:
-            raise UserError(f"--chat: the run's chat template fails on a user turn ({e}): fix its template") from None
+            raise UserError(
+                f"{self.option}: the run's chat template fails on the conversation ({e}): fix its template"
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered text as tokens, as `data prepare --chat` tokenizes it (the template wrote the specials)."""
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def prompt(self, text: str) -> list[int]:
-        """`text` as one user turn and the generation prompt, tokenized as `data prepare --chat` does."""
-        rendered = self._render([{"role": "user", "content": text}], add_generation_prompt=True)
-        return self.tokenizer.backend_tokenizer.encode(rendered, add_special_tokens=False).ids
+        """`text` as one user turn and the generation prompt, tokenized."""
+        return self.encode(self.render([{"role": "user", "content": text}]))
 
     def _end_of_turn(self) -> list[int]:
         """The special token the template writes right after an assistant's reply, if it writes one."""
         marker = "\x00reply\x00"
         turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
-        after = self._render(turns).partition(marker)[2]
-        ids = self.tokenizer.backend_tokenizer.encode(after, add_special_tokens=False).ids
+        after = self.render(turns, generation_prompt=False).partition(marker)[2]
+        ids = self.encode(after)
         specials = set(self.tokenizer.all_special_ids) | {
             i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special
         }

@@ -10,10 +10,12 @@ from paralm.errors import Interrupted, note_failure
 from paralm.observe.run import RunObserver
 from paralm.parallel.runtime import init_runtime, shutdown
 from paralm.param_server.run import run_parameter_server
+from paralm.train.engine import StepEngine
 from paralm.train.trainer import Trainer
 
 
-def train(config: Config) -> None:
+def train(config: Config, engine_type: type[StepEngine] = StepEngine) -> None:
+    """Train as `config` says, on the step engine `engine_type` (the trainer's own, or a wing's: `paralm rl`)."""
     observer = RunObserver(config)  # before the process group: NCCL's flight recorder reads its settings there
     runtime = init_runtime(config.parallel, config.sync)
     try:
@@ -21,7 +23,7 @@ def train(config: Config) -> None:
             if config.sync.mode == "parameter_server":
                 run_parameter_server(config, runtime)
             else:
-                Trainer(config, runtime, observer).fit()
+                Trainer(config, runtime, observer, engine_type).fit()
     except Interrupted:
         observer.close()
         shutdown(runtime)  # every rank agreed to stop after the same step: they can leave together

@@ -34,9 +34,15 @@ from paralm.train.step_metrics import StepMetrics
 class Trainer:
     """The loop on a step engine: optimizer steps, metrics, checkpoints, bad steps and stop signals."""
 
-    def __init__(self, config: Config, runtime: Runtime, observer: RunObserver | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        observer: RunObserver | None = None,
+        engine_type: type[StepEngine] = StepEngine,  # a wing's own batches and step (`paralm rl`'s rollouts)
+    ) -> None:
         self.config, self.runtime = config, runtime
-        self.engine = engine = StepEngine(config, runtime)
+        self.engine = engine = engine_type(config, runtime)
         self.observer = observer or RunObserver(config, closed_by_fit=True)  # `paralm.job` gives the run's
         self.observer.attach(runtime)
         self.optimizer = engine.sync.prepare(build_configured(engine.model, config))
