@@ -78,7 +78,9 @@ def test_messages_are_rendered_with_the_chat_template_and_its_generation_prompt(
     hf = AutoTokenizer.from_pretrained(str(data / "tok_chat"))
     text = hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n")
-    assert prompts[0] == Prompt(0, hf(text, add_special_tokens=False)["input_ids"], text, "yes")
+    end_of_turn = hf.convert_tokens_to_ids("<|im_end|>")
+    assert prompts[0] == Prompt(0, hf(text, add_special_tokens=False)["input_ids"], text, "yes", (end_of_turn,))
+    assert prompts[1].stop == ()  # a string prompt ends at the end of text only
     assert prompts[1].ids == hf(RECORDS[0]["prompt"], add_special_tokens=False)["input_ids"]  # a string: no template
 
 

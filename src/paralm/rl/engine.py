@@ -61,12 +61,12 @@ class RolloutEngine(StepEngine):
         self.rewards.check_prompts(self.prompts)
         self.layout = rollout_layout(config, self.layout.dp_size)
         self.tokenizer = load_tokenizer(read_meta(data_dir)["tokenizer"], data_dir)
-        self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, stop_tokens(self.tokenizer))
+        self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, stop_tokens(self.tokenizer, self.prompts))
         self.width = max(len(p.ids) for p in self.prompts) + rl.max_new_tokens
         t = runtime.dims
         self.policy = PolicyStep(self.module, self.device, config.precision.dtype, t.tp, rl, self.plan.runner)
         self.plan.runner = self.policy
-        self.reference = Reference(config, runtime, self.init_from) if rl.kl_beta > 0 else None
+        self.reference = Reference(config, runtime) if rl.kl_beta > 0 else None
         self.meter = RolloutMeter(runtime)
         self.hooks.append(self.meter)
         self.current: PolicyBatch | None = None
@@ -176,9 +176,11 @@ class RolloutEngine(StepEngine):
         return loss
 
 
-def stop_tokens(tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end a completion: the tokenizer's end of text, where it has one."""
-    return () if tokenizer.eot_id is None else (tokenizer.eot_id,)
+def stop_tokens(tokenizer: Any, prompts: list[Prompt]) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's end of text, where it has one, and a chat template's end
+    of turn where prompts are conversations."""
+    stops = {token for p in prompts for token in p.stop}
+    return tuple(sorted(stops if tokenizer.eot_id is None else stops | {tokenizer.eot_id}))
 
 
 class RolloutMeter(StepHook):

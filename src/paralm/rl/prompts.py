@@ -29,6 +29,7 @@ class Prompt:
     ids: list[int]  # the tokens a completion continues
     text: str  # the prompt as reward functions see it: the `prompt` string, or the rendered chat text
     answer: str | None  # the record's `answer` as a string; None where it has none
+    stop: tuple[int, ...] = ()  # tokens that end its completion besides the end of text: a chat template's end of turn
 
 
 def load_prompts(rl: RLConfig, data_dir: Path, block_size: int) -> list[Prompt]:
@@ -40,6 +41,7 @@ def load_prompts(rl: RLConfig, data_dir: Path, block_size: int) -> list[Prompt]:
     for index, record in enumerate(_records(Path(rl.prompts))):
         where = f"{FIELD} record {index}"
         text, ids = encoder.encode(record, where)
+        stop = tuple(encoder.template.stop) if "messages" in record and encoder.template else ()
         if not ids:
             raise UserError(f"{where}: the prompt has no tokens: give it text, or leave the record out")
         if len(ids) + rl.max_new_tokens > block_size:
@@ -47,7 +49,7 @@ def load_prompts(rl: RLConfig, data_dir: Path, block_size: int) -> list[Prompt]:
                 f"{where}: {len(ids)} prompt tokens + rl.max_new_tokens = {rl.max_new_tokens} exceed "
                 f"model.block_size = {block_size}: shorten the prompt or lower rl.max_new_tokens"
             )
-        prompts.append(Prompt(index, ids, text, _answer(record, where)))
+        prompts.append(Prompt(index, ids, text, _answer(record, where), stop))
     if not prompts:
         raise UserError(f"{FIELD} = {rl.prompts} holds no records: give it at least one prompt")
     return prompts

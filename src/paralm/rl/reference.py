@@ -14,11 +14,12 @@ from paralm.errors import UserError
 from paralm.models.registry import model_spec
 from paralm.parallel.parallelize import parallelize
 from paralm.parallel.runtime import Runtime
-from paralm.train.checkpoint.init_from import load_init
+from paralm.train.checkpoint.init_from import init_source, load_init
 
 
 class Reference:
-    def __init__(self, config: Config, runtime: Runtime, init_from: str | None) -> None:
+    def __init__(self, config: Config, runtime: Runtime) -> None:
+        init_from = init_source(config, None)  # also when the policy resumes from a checkpoint of its own
         if not init_from:
             raise UserError(
                 "rl.kl_beta > 0 measures the policy against the model RL starts from: set checkpoint.init_from "
