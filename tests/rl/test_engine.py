@@ -1,6 +1,9 @@
 """`paralm rl`'s loop: rollouts, rewards and the policy's update on one process and on the layouts it runs on."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,3 +132,55 @@ def test_kl_to_the_reference_grows_from_zero_and_resume_continues_exactly(tmp_pa
     final = [load_trained_model(d).model.state_dict() for d in (whole.run.dir, again.run.dir)]
     for name, value in final[0].items():
         torch.testing.assert_close(value, final[1][name], rtol=0, atol=0)
+
+
+def test_lora_policy_samples_through_its_adapters_and_trains_only_them(tmp_path, prompts):
+    base = tiny_config(tmp_path / "base", train={"steps": 1})
+    train(base)
+    lora = {"lora_rank": 4, "lora_alpha": 8.0}
+    config = rl_config(
+        tmp_path / "lora", prompts, rl={"steps": 3}, train=lora, checkpoint={"init_from": str(base.run.dir)}
+    )
+    train(config, RolloutEngine)
+    before = load_trained_model(base.run.dir).model.state_dict()
+    adapted = load_trained_model(config.run.dir, merge=False).model.state_dict()
+    frozen = [n for n in adapted if "lora" not in n]
+    assert all(torch.equal(adapted[n], before[n]) for n in frozen)  # the base weights are the base run's
+    assert any(adapted[n].abs().sum() > 0 for n in adapted if "lora_b" in n)  # the adapters learned
+    rows = read_metrics(config.run.dir)
+    assert rows[0]["grad_norm"] > 0 and rows[2]["entropy"] != rows[0]["entropy"]
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, prompts):
+    """The failing rank names the function and the prompt; the others do not wait for its rewards forever."""
+    (tmp_path / "failing_reward.py").write_text(
+        "def picky(prompt, completion, answer):\n    if prompt == 'class ':\n        raise ValueError('no classes')\n"
+        "    return 1.0\n"
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "paralm",
+        "rl",
+        "--nproc",
+        "2",
+        f"--run.dir={tmp_path / 'run'}",
+        f"--rl.prompts={prompts}",
+        "--rl.rewards=failing_reward:picky",
+        "--rl.group_size=2",
+        "--rl.prompts_per_step=8",
+        "--rl.max_new_tokens=2",
+        "--rl.steps=1",
+        "--model.n_layer=1",
+        "--model.d_model=32",
+        "--model.n_head=2",
+        "--model.block_size=32",
+        "--log.tensorboard=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "failing_reward:picky" in errors[0] and "prompt 2" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr

@@ -29,7 +29,7 @@ from paralm.rl.policy_step import STATS, PolicyBatch, PolicyStep
 from paralm.rl.prompts import Prompt, load_prompts
 from paralm.rl.reference import Reference
 from paralm.rl.rewards import Rewards, RewardScores
-from paralm.rl.rollout import Sampling, roll_out
+from paralm.rl.rollout import Colocated, Sampler, Sampling
 from paralm.train.engine import StepEngine
 
 
@@ -62,9 +62,12 @@ class RolloutEngine(StepEngine):
         self.layout = rollout_layout(config, self.layout.dp_size)
         self.tokenizer = load_tokenizer(read_meta(data_dir)["tokenizer"], data_dir)
         self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, stop_tokens(self.tokenizer, self.prompts))
-        self.width = max(len(p.ids) for p in self.prompts) + rl.max_new_tokens
-        t = runtime.dims
-        self.policy = PolicyStep(self.module, self.device, config.precision.dtype, t.tp, rl, self.plan.runner)
+        width = max(len(p.ids) for p in self.prompts) + rl.max_new_tokens  # one shape for every rollout
+        dtype = config.precision.dtype
+        self.sampler: Sampler = Colocated(
+            self.plan.model, rl.group_size, width, self.sampling, config.train.seed, dtype
+        )
+        self.policy = PolicyStep(self.module, self.device, dtype, runtime.dims.tp, rl, self.plan.runner)
         self.plan.runner = self.policy
         self.reference = Reference(config, runtime) if rl.kl_beta > 0 else None
         self.meter = RolloutMeter(runtime)
@@ -96,17 +99,7 @@ class RolloutEngine(StepEngine):
         per_rank = rl.prompts_per_step // layout.dp_size
         mine = self.prompts_of(rollout)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         prompts = [p for _, p in mine]
-        rolled = roll_out(
-            self.plan.model,
-            [p.ids for p in prompts],
-            [place for place, _ in mine],
-            rl.group_size,
-            self.width,
-            self.sampling,
-            self.config.train.seed,
-            rollout,
-            self.config.precision.dtype,
-        )
+        rolled = self.sampler.sample([p.ids for p in prompts], [place for place, _ in mine], rollout)
         texts = [self.tokenizer.decode(t) for t in rolled.texts]
         scores = self.agreed(lambda: self.rewards.score([p for p in prompts for _ in range(rl.group_size)], texts))
         # every rank's completions' figures, in global order: rewards, each function's, correct, length

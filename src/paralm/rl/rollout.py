@@ -2,11 +2,15 @@
 last update (colocated, as verl's hybrid engine and TRL's colocate mode; no copy, no file round-trip).
 
 Each data-parallel rank samples for its own prompts, a group of `rl.group_size` completions of one prompt at a time
-with the KV cache (`paralm.models.kv_cache`). The model it calls is the parallelized one: under ZeRO-3 FSDP gathers
-each block's parameters for every decoding step and frees them after (one block's weights at a time, not a whole
-copy: memory over speed), under tensor parallelism every rank of the group computes its heads and the logits are
+with the KV cache (`paralm.models.kv_cache`). The model it calls is the parallelized one. Under ZeRO-3 the rollout
+holds the whole model, gathered once and freed when it ends, where the device has room for it (`whole_copy_fits`);
+where it has not, FSDP gathers each block for every decoding step and frees it after (one block's weights at a
+time: memory over speed). Under tensor parallelism every rank of the group computes its heads and the logits are
 gathered. So that the ranks of a group make the same collectives, every group decodes exactly `max_new_tokens`
 steps; what follows a stop token is masked, not skipped.
+
+`Sampler` is the seam for another engine (vLLM on GPUs, fed the updated weights): `Colocated` is its one
+implementation.
 
 The draw of a group depends only on (seed, rollout, the prompt's place in the global batch), never on the rank that
 samples it: the same seed gives the same completions on any layout.
@@ -14,12 +18,15 @@ samples it: the same seed gives the same completions on any layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from paralm.models.kv_cache import KVCache
@@ -87,37 +94,82 @@ def sample_group(
 
 def group_generator(device: torch.device, seed: int, rollout: int, position: int) -> torch.Generator:
     """The random stream of the group at `position` of rollout `rollout`'s global batch: the same on every layout."""
-    return torch.Generator(device=device).manual_seed(hash((seed, rollout, position)) & (2**63 - 1))
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rollout) * 1_000_003 + position)
 
 
-def roll_out(
-    model: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    positions: Sequence[int],
-    group: int,
-    width: int,
-    sampling: Sampling,
-    seed: int,
-    rollout: int,
-    dtype: str,
-) -> Rollout:
-    """This rank's completions: `group` per prompt (`positions`: each prompt's place in the global batch), each row
-    padded to `width` tokens."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
+class Sampler(Protocol):
+    def sample(self, prompts: Sequence[Sequence[int]], positions: Sequence[int], rollout: int) -> Rollout:
+        """`group` completions of each of this rank's `prompts` (`positions`: their places in the global batch)."""
+        ...
+
+
+def whole_copy_fits(model: nn.Module, device: torch.device) -> bool:
+    """Whether the device has room for every parameter gathered at once, twice over (a GPU's free memory; a host's
+    memory is taken to have room)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor counts its global size
+    return 2 * whole < free
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Under FSDP, every block's parameters gathered at its first forward and kept until the block exits (not
+    gathered again at each decoding step), then freed as training expects them."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.set_reshard_after_forward(False, recurse=False)
     try:
-        drawn = [
-            sample_group(model, p, group, sampling, group_generator(device, seed, rollout, at), dtype)
-            for p, at in zip(prompts, positions, strict=True)
-        ]
+        yield
     finally:
-        model.train(was_training)
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+@dataclass
+class Colocated:
+    """Sampling on the training ranks with the policy's own (just updated) parameters."""
+
+    model: nn.Module  # the parallelized policy (unwrapped from DDP: no gradient sync in sampling)
+    group: int
+    width: int  # every row's tokens: the longest prompt and `max_new_tokens`
+    sampling: Sampling
+    seed: int
+    dtype: str
+
+    def sample(self, prompts: Sequence[Sequence[int]], positions: Sequence[int], rollout: int) -> Rollout:
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        whole = gathered(self.model) if whole_copy_fits(self.model, device) else contextlib.nullcontext()
+        try:
+            with whole:
+                drawn = [
+                    sample_group(
+                        self.model,
+                        p,
+                        self.group,
+                        self.sampling,
+                        group_generator(device, self.seed, rollout, at),
+                        self.dtype,
+                    )
+                    for p, at in zip(prompts, positions, strict=True)
+                ]
+        finally:
+            self.model.train(was_training)
+        return laid_out(prompts, drawn, self.width, self.sampling.stop)
+
+
+def laid_out(prompts: Sequence[Sequence[int]], drawn: list[torch.Tensor], width: int, stop: tuple[int, ...]) -> Rollout:
+    """Each prompt's drawn completions after it, cut after their first stop token, padded to `width`."""
+    device, group = drawn[0].device, drawn[0].shape[0]
     rows = len(prompts) * group
     tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
     completion = torch.zeros(rows, width - 1, device=device)
     texts = []
-    stops = torch.tensor(sampling.stop, dtype=torch.long, device=device)
+    stops = torch.tensor(stop, dtype=torch.long, device=device)
     for i, (prompt, new) in enumerate(zip(prompts, drawn, strict=True)):
         for j, row in enumerate(new):
             ended = torch.isin(row, stops).nonzero()
