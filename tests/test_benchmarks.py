@@ -59,6 +59,11 @@ ARGS = {
     # the script runs (its one-process path in the GPT-2 rows, and its row that is not one training run); every
     # row runs in benchmarks, not CI
     "gpu_check.py": ["--rows", "ZeRO-3", "quantize int8-weight, then eval"],
+    # the TRL part runs where trl is installed (the test extra), else prints that it is skipped
+    "grpo.py": [
+        *("--sft-steps", "3", "--rl-steps", "3", "--seeds", "1", "--trl-steps", "3"),
+        *("--n-layer", "1", "--d-model", "32", "--held-out", "16", "--samples", "2"),
+    ],
     "generate_cache.py": [
         "--new-tokens",
         "4",
@@ -85,6 +90,7 @@ ARGS = {
     "observe_overhead.py": ["--steps", "1", "--rounds", "1", "--d-model", "32", "--n-layer", "1"],
     "profile_step.py": ["--steps", "1", "--top", "3", "--d-model", "32", "--n-layer", "1"],
     "moe.py": ["--steps", "3", "--eps", "2"],
+    "mtp.py": ["--steps", "3", "--micro-batch-size", "2", "--seeds", "1", "--eval-samples", "8"],
     "moe_dispatch.py": ["--steps", "1", "--grid", "2x1", "--no-compile"],
     "gemm_curve.py": ["--repeats", "1"],
     "planner_kernels.py": ["--repeats", "1"],

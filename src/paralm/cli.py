@@ -35,11 +35,18 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.launch.local import launch_local_workers
     from paralm.plan.auto import train_config
 
+    if args.cluster and args.dry_run is None:
+        raise UserError("--cluster goes with --dry-run N (the planned step time of the rehearsed layout)")
     if args.dry_run is not None:
         from paralm.config.load import load_config
         from paralm.plan.dry_run import dry_run
 
-        dry_run(load_config(args.config, overrides), args.dry_run)
+        cluster = None
+        if args.cluster:
+            from paralm.plan.cluster import parse_cluster
+
+            cluster = parse_cluster(args.cluster)
+        dry_run(load_config(args.config, overrides), args.dry_run, cluster=cluster)
         return 0
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     if args.replicas:
@@ -277,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="build the parallelized model as N ranks would, in this process on fake devices (no data, no "
         "step), and write <run.dir>/dry_run.json: bytes each rank holds, measured and planned",
+    )
+    train.add_argument(
+        "--cluster",
+        help="with --dry-run: also the planner's step time of this layout on this cluster (preset or TOML file), "
+        "with its error band",
     )
     train.set_defaults(func=_train)
 

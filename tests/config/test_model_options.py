@@ -82,7 +82,7 @@ OLD_GPT2_RUN = (
     "family_args, key, value, owners",
     [
         ([], "qk_norm", "true", 'llama has it: set model.family = "llama"'),
-        ([], "rope_scaling", "llama3", 'llama has it: set model.family = "llama"'),
+        ([], "rope_scaling", "llama3", 'llama and deepseek have it: set model.family = "llama" or "deepseek"'),
         ([], "q_lora_rank", "8", 'deepseek has it: set model.family = "deepseek"'),
         ([], "ffn_hidden", "64", 'llama and deepseek have it: set model.family = "llama" or "deepseek"'),
         (["--model.family=llama"], "bias", "false", 'gpt2 has it: set model.family = "gpt2"'),
@@ -159,6 +159,15 @@ def test_a_run_config_written_before_families_owned_their_settings_loads(tmp_pat
         assert (config.model.moe.experts, config.model.moe.top_k) == (4, 2)
     else:
         assert config.model == GPT2Config(n_layer=2, n_head=4, d_model=64, block_size=32, moe=MoEConfig(experts=4))
+
+
+def test_the_old_shared_expert_flag_reads_as_a_count(tmp_path):
+    """`moe_shared_expert` (true or false, before DeepSeek-V2's two shared experts) is `moe_shared_experts`."""
+    for flag, count in (("true", 1), ("false", 0)):
+        (tmp_path / "config.toml").write_text(
+            OLD_LLAMA_RUN.replace("moe_shared_expert = false", f"moe_shared_expert = {flag}")
+        )
+        assert load_config(tmp_path / "config.toml").model.moe.shared_experts == count
 
 
 def test_an_old_run_config_whose_other_family_key_mattered_is_refused(tmp_path):

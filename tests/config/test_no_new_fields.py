@@ -14,11 +14,15 @@ COMMON_MODEL = [
     "family", "n_layer", "n_head", "d_model", "block_size", "vocab_size", "dropout", "attention_backend",
 ]  # fmt: skip
 MOE = [
-    "moe_experts", "moe_top_k", "moe_norm_topk", "moe_every", "moe_shared_expert", "moe_score", "moe_aux_loss",
+    "moe_experts", "moe_top_k", "moe_norm_topk", "moe_every", "moe_shared_experts", "moe_score", "moe_aux_loss",
     "moe_bias_balance", "moe_bias_rate", "moe_z_loss", "moe_first_dense", "moe_routed_scale", "moe_groups",
-    "moe_topk_groups", "moe_capacity",
+    "moe_topk_groups", "moe_group_score", "moe_capacity",
 ]  # fmt: skip
-DECODER = ["rope_theta", "norm_eps", "ffn_hidden", "moe_hidden", "tie_embeddings"]  # Llama's and DeepSeek's
+DECODER = [
+    "rope_theta", "norm_eps", "ffn_hidden", "moe_hidden", "tie_embeddings", "rope_scaling", "rope_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow",
+    "rope_mscale", "rope_mscale_all_dim",
+]  # fmt: skip  # Llama's and DeepSeek's
 
 SECTIONS = {
     "run": ["dir"],
@@ -28,7 +32,7 @@ SECTIONS = {
         "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "muon_momentum", "muon_ns_steps",
         "muon_ns_dtype", "grad_clip", "eval_every", "eval_samples", "activation_checkpointing", "ac_every", "compile",
         "cuda_graphs", "qat", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "max_bad_steps", "loss_impl",
-        "loss_chunks",
+        "loss_chunks", "mtp_weight", "mtp_weight_after", "mtp_weight_step",
     ],
     "parallel": [
         "dp", "dp_replicate", "dp_shard", "zero", "cpu_offload", "shard_grads_every_microstep", "tp",
@@ -44,16 +48,20 @@ SECTIONS = {
     "precision": ["dtype", "reduce_dtype", "float8"],
     "checkpoint": ["every", "resume", "keep", "async_save", "on_signal", "init_from"],
     "log": ["every", "tensorboard", "progress", "comm_bytes", "straggler_threshold_s", "memory_snapshot_steps"],
+    "rl": [
+        "prompts", "group_size", "prompts_per_step", "max_new_tokens", "temperature", "top_p", "rewards",
+        "reward_weights", "format_pattern", "loss", "scale_rewards", "clip_low", "clip_high", "kl_beta",
+        "updates_per_rollout", "steps",
+    ],
 }  # fmt: skip
 MODEL = {
     "gpt2": [*COMMON_MODEL, "bias", *MOE],
     "llama": [
-        *COMMON_MODEL, *DECODER, "n_kv_heads", "head_dim", "attention_bias", "qk_norm", "rope_scaling", "rope_factor",
-        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "sliding_window", *MOE,
+        *COMMON_MODEL, *DECODER, "n_kv_heads", "head_dim", "attention_bias", "qk_norm", "sliding_window", *MOE,
     ],
     "deepseek": [
         *COMMON_MODEL, *DECODER, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        *MOE,
+        "mtp_depth", *MOE,
     ],
 }  # fmt: skip
 

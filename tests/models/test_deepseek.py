@@ -41,7 +41,7 @@ HF = dict(
 DEEPSEEK = dict(
     family="deepseek", n_layer=3, n_head=4, d_model=32, ffn_hidden=48, moe_hidden=16, q_lora_rank=12,
     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, moe_experts=4, moe_top_k=2,
-    moe_first_dense=1, moe_shared_expert=True, moe_score="sigmoid", moe_groups=2, moe_topk_groups=1,
+    moe_first_dense=1, moe_shared_experts=1, moe_score="sigmoid", moe_groups=2, moe_topk_groups=1,
     moe_routed_scale=2.0, moe_bias_balance=True,
 )  # fmt: skip
 
@@ -146,12 +146,13 @@ def test_what_deepseek_does_not_support_is_refused_in_one_line(tmp_path, capsys)
         validate(tiny_config(tmp_path / "x", model=DEEPSEEK | {"n_head": 2}, parallel={"tp": 4}))
     with pytest.raises(UserError, match="kv_lora_rank"):
         validate(tiny_config(tmp_path / "x", model=DEEPSEEK | {"kv_lora_rank": 0}))
-    for setting in ({"norm_topk_prob": False}, {"n_shared_experts": 2}, {"rope_scaling": {"rope_type": "yarn"}}):
+    for setting in ({"scoring_func": "softmax"}, {"moe_layer_freq": 2}, {"rope_scaling": {"rope_type": "dynamic"}}):
         with pytest.raises(UserError, match=next(iter(setting)).replace("rope_scaling", "rope_type")):
             SPEC.hf.config_from_hf({"model_type": "deepseek_v3", **setting}, "config.json")
+    # softmax scores export as DeepseekV2, which ranks groups by their best score, not their top 2
     config = tiny_config(tmp_path / "run", model=DEEPSEEK | {"moe_score": "softmax"}, train={"steps": 1})
     train(config)
     capsys.readouterr()
     assert main(["export", "--run", str(config.run.dir), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
-    assert "model.moe_score = 'softmax'" in err and err.count("\n") == 1, err
+    assert "model.moe_group_score = 'top2': Hugging Face DeepseekV2 needs 'max'" in err and err.count("\n") == 1, err

@@ -73,11 +73,11 @@ def test_capacity_drops_overflow_in_token_order_and_counts_it() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("every,shared", [(1, False), (2, True)])
-def test_closed_form_counts_match_the_built_model(family: str, every: int, shared: bool) -> None:
+@pytest.mark.parametrize("every,shared", [(1, 0), (2, 2)])
+def test_closed_form_counts_match_the_built_model(family: str, every: int, shared: int) -> None:
     config = model_config(
         family=family, n_layer=3, n_head=4, d_model=32, moe_experts=4, moe_top_k=2, moe_every=every,
-        moe_shared_expert=shared,
+        moe_shared_experts=shared,
     )  # fmt: skip
     model = model_spec(config).build(config)
     shape = model_shape(config)
@@ -114,6 +114,65 @@ def test_moe_settings_that_cannot_run_are_one_line_errors() -> None:
         check_moe(model_config(moe_experts=4, moe_groups=4))
     with pytest.raises(UserError, match="moe_topk_groups"):  # one group of 2 cannot hold top-3
         check_moe(model_config(moe_experts=4, moe_top_k=3, moe_groups=2, moe_topk_groups=1))
+
+
+# DeepSeek's top-k methods on 6 experts in 3 groups of 2, router logits (A: 2, -3 | B: 1.5, 1.4 | C: -1, -1) for
+# one token, top-2: greedy takes the 2 best experts (0, 2); by their best (DeepSeek-V2's group_limited_greedy) group
+# A ranks first (2 > 1.5), by their two best (DeepSeek-V3's noaux_tc) B does (e^1.5 + e^1.4 > e^2 + e^-3 under
+# softmax); a balancing bias of 3 on group C's experts makes V3 choose C, weighted by the scores without it.
+LOGITS = [2.0, -3.0, 1.5, 1.4, -1.0, -1.0]
+ROUTES = {  # name: (settings, chosen experts worked out by hand)
+    "greedy": ({}, {0, 2}),
+    "greedy-renorm": ({"moe_norm_topk": True}, {0, 2}),
+    "group-max": ({"moe_groups": 3, "moe_group_score": "max"}, {0, 1}),
+    "group-top2": ({"moe_groups": 3}, {2, 3}),
+    "noaux-tc": ({"moe_groups": 3, "moe_score": "sigmoid", "moe_bias_balance": True}, {4, 5}),
+    "noaux-tc-renorm": (
+        {"moe_groups": 3, "moe_score": "sigmoid", "moe_bias_balance": True, "moe_norm_topk": True},
+        {4, 5},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_each_top_k_method_routes_as_worked_out_by_hand(name: str) -> None:
+    """Chosen experts as above; weights the chosen experts' scores (softmax over all 6, or sigmoid), divided by
+    their sum with renormalisation only, times the routed scale."""
+    settings, expected = ROUTES[name]
+    options = {"moe_norm_topk": False, "moe_topk_groups": 1, "moe_routed_scale": 2.5} | settings
+    layer = MoE(model_config(d_model=4, moe_experts=6, moe_top_k=2, **options), hidden=8, gated=True)
+    with torch.no_grad():
+        layer.gate.weight.zero_()[:, 0] = torch.tensor(LOGITS)
+        layer.expert_bias[4:] = 3.0
+    _, _, chosen, weights = layer.route(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert set(chosen[0].tolist()) == expected
+    if settings.get("moe_score") == "sigmoid":
+        scores = [1 / (1 + math.exp(-LOGITS[e])) for e in chosen[0].tolist()]
+    else:
+        scores = [math.exp(LOGITS[e]) / sum(math.exp(v) for v in LOGITS) for e in chosen[0].tolist()]
+    if settings.get("moe_norm_topk"):
+        scores = [v / sum(scores) for v in scores]
+    torch.testing.assert_close(weights[0], 2.5 * torch.tensor(scores), rtol=1e-6, atol=0)
+
+
+def test_shared_experts_are_one_mlp_as_wide_as_all_of_them() -> None:
+    """moe_shared_experts = 2 (DeepSeek-V2-Lite's, Moonlight's): the layer adds two always-on SwiGLU experts, one
+    MLP 2 x moe_hidden wide as DeepSeek stores them; its output is the routed one plus both experts' sum."""
+    torch.manual_seed(0)
+    config = model_config(d_model=16, moe_experts=4, moe_top_k=2, moe_shared_experts=2)
+    layer, plain = MoE(config, hidden=24, gated=True), MoE(model_config(d_model=16, moe_experts=4), 24, True)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("shared.")})
+    x = torch.randn(2, 5, 16)
+    shared = layer.shared
+    assert shared.w1.shape == (1, 48, 16)
+    each = [
+        (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+        for w1, w3, w2 in zip(shared.w1[0].chunk(2), shared.w3[0].chunk(2), shared.w2[0].chunk(2, dim=1), strict=True)
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain(x) + each[0] + each[1], atol=1e-5, rtol=1e-5)
 
 
 BALANCE_STEPS = 50  # the figure docs/strategies.md states

@@ -32,7 +32,7 @@ MOE = {"moe_experts": 4, "moe_top_k": 2}
 SGD = {"optimizer": "sgd", "lr": 0.5}
 
 LAYOUTS = {  # name: (ranks, parallel section, model section besides MOE)
-    "ep2-bias-balance-shared-expert": (2, {"ep": 2}, {"moe_bias_balance": True, "moe_shared_expert": True}),
+    "ep2-bias-balance-shared-expert": (2, {"ep": 2}, {"moe_bias_balance": True, "moe_shared_experts": 1}),
     "ep4": (4, {"ep": 4}, {}),
     "ep2-zero3-4ranks-llama": (4, {"ep": 2, "zero": 3}, {"family": "llama", "n_kv_heads": 1}),
     "ep2-zero2-4ranks": (4, {"ep": 2, "zero": 2}, {}),

@@ -118,3 +118,15 @@ def test_a_dry_run_leaves_nothing_behind_for_a_real_job(tmp_path) -> None:
     run_ranks(train_each, 2, tmp_path, [config])
     export(config.run.dir, tmp_path / "hf")
     assert_same_logits(config.run.dir, tmp_path / "hf")
+
+
+def test_dry_run_on_a_cluster_prints_the_planned_step_time_with_its_band(tmp_path, capsys) -> None:
+    """`--cluster`: the planner's step time of the rehearsed layout there, its band and the set of published runs
+    that set it, in the log and under `step_time` in the record."""
+    argv = ["train", *SMALL_LLAMA, "--parallel.tp=2", "--dry-run", "8", f"--run.dir={tmp_path}"]
+    assert main([*argv, "--cluster", "h100"]) == 0
+    assert "planned step on h100" in capsys.readouterr().out
+    step = json.loads((tmp_path / "dry_run.json").read_text())["step_time"]
+    assert step["step_time_s_low"] < step["step_time_s"] < step["step_time_s_high"]
+    assert step["band_basis"].startswith("h100, dense") and step["band_rows"] >= 3
+    assert main(["train", *SMALL_LLAMA, "--cluster", "h100"]) == 2

@@ -1,23 +1,13 @@
-"""The GPU presets against published throughputs of large training runs, layouts as the papers state them.
-
-Each A100 case prices exactly the published layout (nothing searched) and compares the predicted throughput
-per GPU with the reported one, in the paper's own FLOP accounting: Megatron-style "TFLOP/s per GPU"
-counts the recomputed forward (96 B s l h^2 (1 + s/6h + V/16lh) per step, Narayanan et al. 2021 eq. 3),
-MFU does not (6N + 12 L d s per token, Korthikanti et al. 2022 sec. 6, Chowdhery et al. 2022).
-Tolerance: 15% of the published figure. Differences we know of and do not model: those runs computed
-attention with a materialised s x s softmax (we price a fused kernel), BLOOM's network is Omni-Path
-(4 x 100 Gb/s per 8 GPUs, set below), MT-NLG and BLOOM ran ZeRO-1 across data parallelism (priced as
-paralm runs tp/pp: replicated optimizer state, the same gradient all-reduce), and Korthikanti's
-selective recompute repeats only the attention core (priced as no recompute: it adds about 2-4%).
-The H100 cases state no layout: the planner searches its own for the published model and batch. The
-Llama cases (GQA, SwiGLU, RoPE, an untied head) price torchtitan's 8B as published and search what
-Meta's 405B paper leaves open.
+"""The H100 preset against published runs whose layout the source leaves open: the planner searches its own
+for the published model and batch (the runs priced with their stated layouts, A100s and H100s, are
+`paralm.plan.published` and `published_a100`, checked by `test_validation.py` and held out by source in
+`paralm plan --validate`). The Llama cases (GQA, SwiGLU, RoPE, an untied head) price torchtitan's 8B as
+published and search what Meta's 405B paper leaves open.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import pytest
 
@@ -29,138 +19,9 @@ from tests.plan.helpers import layout
 
 TOLERANCE = 0.15
 # Issue 44 reads square-GEMM curves at a matmul's equivalent square, (m n k)^(1/3), not its smallest side:
-# thin matmuls got faster, and these runs, with a materialised s x s softmax and 2021-23 kernels, are
-# now predicted 1.15-1.18x (were 1.11-1.15x).
+# thin matmuls got faster, and these runs are now predicted 1.15-1.18x (were 1.11-1.15x). Not resolved: no
+# physical term found in this wave (see docs/planner-validation.md, "Held out by source").
 SQUARE_READING = "predicted 1.15-1.18x since matmuls are read at their equivalent square (issue 44)"
-DEEPSPEED_2021 = "DeepSpeed's pipeline engine of 2021: Korthikanti's Megatron ran the same model 1.4x faster"
-
-
-@dataclass(frozen=True)
-class Run:
-    source: str
-    layers: int
-    d_model: int
-    heads: int
-    vocab: int
-    gpus: int
-    tp: int
-    pp: int
-    batch: int
-    published: float  # TFLOP/s per GPU (metric "hfu") or a fraction of peak (metric "mfu")
-    metric: str = "hfu"
-    recompute: str = "full"
-    micro_batch: int = 1
-    schedule: str = "1f1b"
-    inter_gbits: float = 200  # per-GPU network
-    miss: str = ""  # why the prediction is known to miss the tolerance
-
-
-RUNS = [
-    # Narayanan et al. 2021 (SC'21), Table 1 / Megatron-LM README: the 1T model on 3072 A100s reaches
-    # 502 PFLOP/s in aggregate, 163 TFLOP/s per GPU (52% of peak), full recompute.
-    Run("Narayanan 2021, 1T", 128, 25600, 160, 51200, 3072, 8, 64, 3072, 163.0),
-    # Smith et al. 2022 (MT-NLG 530B, sec. 2.4): batch 1920 on 280, 350, 420 DGX A100 nodes,
-    # 60.1, 50.2, 44.4 s per iteration: 126, 121, 113 TFLOP/s per GPU; tp 8, pp 35.
-    Run(
-        "MT-NLG 530B, 2240 GPUs",
-        105,
-        20480,
-        128,
-        50272,
-        2240,
-        8,
-        35,
-        1920,
-        126.0,
-        miss=DEEPSPEED_2021,
-    ),
-    Run(
-        "MT-NLG 530B, 2800 GPUs",
-        105,
-        20480,
-        128,
-        50272,
-        2800,
-        8,
-        35,
-        1920,
-        121.0,
-        miss=DEEPSPEED_2021,
-    ),
-    Run(
-        "MT-NLG 530B, 3360 GPUs",
-        105,
-        20480,
-        128,
-        50272,
-        3360,
-        8,
-        35,
-        1920,
-        113.0,
-        miss=DEEPSPEED_2021,
-    ),
-    # Korthikanti et al. 2022 (MLSys'23), abstract: 530B on 2240 A100s, MFU 54.2% with sequence
-    # parallelism and selective recompute, 42.1% with full recompute (tp 8, pp 35, batch 2240).
-    Run("Korthikanti 2022, 530B full", 105, 20480, 128, 51200, 2240, 8, 35, 2240, 0.421, "mfu"),
-    Run("Korthikanti 2022, 530B SP", 105, 20480, 128, 51200, 2240, 8, 35, 2240, 0.542, "mfu", "none"),
-    # BigScience BLOOM-176B (model page and Le Scao et al. 2022): 384 A100 80GB, one replica on 48
-    # GPUs (tp 4, pp 12, dp 8), batch 2048, micro-batch 2, "about 150 TFLOPs" per GPU; Omni-Path network.
-    Run(
-        "BLOOM 176B",
-        *(70, 14336, 112, 250880, 384, 4, 12, 2048, 150.0),
-        micro_batch=2,
-        inter_gbits=50,  # Omni-Path's real bandwidth is not priced
-        miss=SQUARE_READING,
-    ),
-]
-
-
-def _predict(run: Run) -> float:
-    config, _ = load_request(
-        None,
-        [
-            f"--model.n_layer={run.layers}",
-            f"--model.d_model={run.d_model}",
-            f"--model.n_head={run.heads}",
-            f"--model.vocab_size={run.vocab}",
-            "--model.block_size=2048",
-            "--precision.dtype=bf16",
-        ],
-    )
-    cluster = dataclasses.replace(
-        PRESETS["a100-80gb"].with_devices(run.gpus), inter_bandwidth=run.inter_gbits / 8 * 1e9
-    )
-    dp = run.gpus // (run.tp * run.pp)
-    per_replica = run.batch // dp
-    microbatches = per_replica // run.micro_batch
-    lay = layout(
-        dp_shard=dp,
-        tp=run.tp,
-        sequence_parallel=run.metric == "mfu" and run.recompute == "none",
-        pp=run.pp,
-        pp_schedule=run.schedule,
-        pp_microbatches=microbatches,
-        micro_batch_size=per_replica,
-        activation_checkpointing=run.recompute,
-    )
-    plan = evaluate(lay, Workload.from_config(config, run.batch, "paper"), cluster)
-    if run.metric == "mfu":
-        return plan.mfu
-    layers, h, s, v = run.layers, run.d_model, 2048, run.vocab
-    flops_per_token = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))  # eq. 3 over B s tokens
-    return flops_per_token * plan.tokens_per_s / run.gpus / 1e12
-
-
-@pytest.mark.parametrize(
-    "run",
-    [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=r.miss)) if r.miss else r for r in RUNS],
-    ids=[r.source for r in RUNS],
-)
-def test_presets_predict_published_runs(run: Run) -> None:
-    predicted = _predict(run)
-    print(f"{run.source}: predicted {predicted:.3g}, published {run.published:.3g} ({predicted / run.published:.2f}x)")
-    assert predicted == pytest.approx(run.published, rel=TOLERANCE)
 
 
 # Megatron-LM's README ("Strong Scaling Results", NVIDIA): GPT-3 175B with a 131,072-token vocabulary

@@ -20,7 +20,10 @@ def check_moe_layout(config: Config) -> None:
     if moe.experts % p.ep:
         raise UserError(f"model.moe_experts = {moe.experts} is not divisible by parallel.ep = {p.ep}")
     refused = {
-        "parallel.cp > 1": p.cp > 1,
+        # each cp rank would cap its own share of the positions, where one process caps the micro-batch's
+        "parallel.cp > 1 with model.moe_capacity > 0": p.cp > 1 and moe.capacity > 0,
+        # the expert mesh cuts dp_shard into ep groups; the cp ranks are not in it
+        "parallel.cp > 1 with parallel.ep > 1": p.cp > 1 and p.ep > 1,
         "sync.fault_tolerant": config.sync.fault_tolerant,
         # experts are weight tensors, not the linear layers torchao swaps (`paralm.convert.layers`)
         f"train.qat = {config.train.qat!r}": config.train.qat != "none",

@@ -55,6 +55,10 @@ def validate(config: Config) -> None:
             "train.grad_clip": t.grad_clip,
             "train.lr": t.lr,
             "train.min_lr": t.min_lr,
+            "train.mtp_weight": t.mtp_weight,
+            "train.mtp_weight_after": t.mtp_weight_after,
+            "train.mtp_weight_step": t.mtp_weight_step,
+            "model.mtp_depth": getattr(m, "mtp_depth", 0),
         },
         lambda value: value >= 0,
         "must not be negative",
@@ -105,6 +109,9 @@ def check_model_parallel_layout(config: Config) -> None:
             raise UserError(f"parallel.{name} = {getattr(p, name)} must be at least 1")
     if p.pp_microbatches < 0:
         raise UserError(f"parallel.pp_microbatches = {p.pp_microbatches} must be positive (or 0: parallel.pp)")
+    for name in ("tp", "pp", "cp"):  # the prediction modules run after the last block, on whole sequences
+        if getattr(m, "mtp_depth", 0) and getattr(p, name) > 1:
+            raise UserError(f"parallel.{name} > 1 is not supported with model.mtp_depth > 0: set one of them off")
     for name in model_spec(m).unsupported:
         if getattr(p, name) > 1:
             raise UserError(

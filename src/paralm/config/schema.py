@@ -23,7 +23,7 @@ from paralm.config.rl import RLConfig
 from paralm.config.schedules import PIPELINE_SCHEDULES
 from paralm.errors import UserError
 from paralm.models.config import ModelConfig, flat_fields, from_flat, to_flat
-from paralm.models.registry import family_spec, inert_dropped, model_config, undeclared
+from paralm.models.registry import family_spec, inert_dropped, model_config, renamed, undeclared
 
 CONFIG_FILE = "config.toml"  # the resolved config, in a run directory and in each checkpoint
 REPLICA_GROUP_DIR = "group-{}"  # `paralm train --replicas`: replica group g's run folder, inside the run's
@@ -114,6 +114,13 @@ class TrainConfig:
         ("auto", "plain", "chunked", "fused"),
     )
     loss_chunks: int = option(8, "train.loss_impl = chunked: slices each micro-batch's tokens are cut into")
+    mtp_weight: float = option(
+        0.3, "multi-token prediction (model.mtp_depth > 0): the weight of its loss (DeepSeek-V3's lambda)"
+    )
+    mtp_weight_after: float = option(0.1, "multi-token prediction: the loss weight from train.mtp_weight_step on")
+    mtp_weight_step: int = option(
+        0, "multi-token prediction: the step (from 0) from which train.mtp_weight_after applies; 0: never"
+    )
 
 
 @dataclass
@@ -297,7 +304,7 @@ def file_sections(raw: dict[str, Any], family: str | None = None) -> dict[str, A
     family = family or model.get("family", ModelConfig.family)
     if not isinstance(family, str):
         return raw
-    return raw | {"model": inert_dropped(model, family)}
+    return raw | {"model": inert_dropped(renamed(model), family)}
 
 
 def _section_dict(section: Any) -> dict[str, Any]:

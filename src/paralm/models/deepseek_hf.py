@@ -1,4 +1,5 @@
-"""paralm's DeepSeek family as Hugging Face's `DeepseekV3ForCausalLM`, both ways.
+"""paralm's DeepSeek family as Hugging Face's `DeepseekV3ForCausalLM` or `DeepseekV2ForCausalLM`, both ways: the
+two differ in their routing only (`paralm.models.deepseek_routing_hf`), DeepseekV2 without the balancing bias.
 
 Export writes DeepSeek's released layout: one tensor per routed expert (`mlp.experts.{j}.gate_proj.weight`,
 which transformers stacks on load), `rope_interleave = True` with the RoPE rows of the query and of the
@@ -13,33 +14,29 @@ are refused in one line.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from paralm.errors import UserError
 from paralm.models.deepseek import DeepSeekConfig, mla_dims
+from paralm.models.deepseek_routing_hf import has_bias, routing_from_hf, routing_to_hf
 from paralm.models.llama import ffn_hidden, moe_hidden
 from paralm.models.moe_config import is_moe_block
-from paralm.models.spec import HFPiece, StateDict, refuse_differences, refuse_unexportable, stacked_experts
+from paralm.models.rope_hf import rope_from_hf, rope_to_hf
+from paralm.models.spec import HFPiece, StateDict, refuse_differences, stacked_experts
 
 _SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 _ROTATED = ("attention.wq.weight", "attention.wkv_a.weight")  # rows end with each head's RoPE part
 
 
 def config_to_hf(c: DeepSeekConfig) -> dict[str, Any]:
-    """`config.json`'s fields, or a one-line refusal of a setting DeepseekV3 does not compute."""
-    refused = {
-        "model.moe_score": (c.moe.score, "sigmoid"),
-        "model.moe_shared_expert": (c.moe.shared_expert, True),
-        "model.moe_every": (c.moe.every, 1),
-        "model.moe_capacity": (c.moe.capacity, 0.0),
-    }
-    refuse_unexportable("DeepseekV3", refused)
+    """`config.json`'s fields for DeepseekV2 or V3 (`deepseek_routing_hf`), or a one-line refusal of a setting
+    neither computes."""
     nope, rope, value = mla_dims(c)
     return dict(
-        architectures=["DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
+        **routing_to_hf(c),
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
         intermediate_size=ffn_hidden(c),
@@ -47,14 +44,6 @@ def config_to_hf(c: DeepSeekConfig) -> dict[str, Any]:
         num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head,
         num_key_value_heads=c.n_head,
-        n_shared_experts=1,
-        n_routed_experts=c.moe.experts,
-        num_experts_per_tok=c.moe.top_k,
-        routed_scaling_factor=c.moe.routed_scale,
-        n_group=c.moe.groups,
-        topk_group=c.moe.topk_groups,
-        first_k_dense_replace=c.moe.first_dense,
-        norm_topk_prob=True,
         q_lora_rank=c.q_lora_rank or None,
         kv_lora_rank=c.kv_lora_rank,
         qk_nope_head_dim=nope,
@@ -64,18 +53,17 @@ def config_to_hf(c: DeepSeekConfig) -> dict[str, Any]:
         max_position_embeddings=c.block_size,
         rms_norm_eps=c.norm_eps,
         tie_word_embeddings=c.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        **rope_to_hf(c),
         rope_interleave=True,
         attention_bias=False,
         attention_dropout=c.dropout,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=c.mtp_depth,
     )
 
 
 def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """The `[model]` fields of a DeepseekV3 `config.json`, or a one-line refusal."""
+    """The `[model]` fields of a DeepseekV2 or V3 `config.json`, or a one-line refusal."""
     heads = hf.get("num_attention_heads", 128)
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     refuse_differences(
         source,
         "DeepSeek",
@@ -83,11 +71,8 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
             "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
             "attention_bias": (hf.get("attention_bias", False), False),
             "num_key_value_heads": (hf.get("num_key_value_heads") or heads, heads),
-            "n_shared_experts": (hf.get("n_shared_experts", 1), 1),
-            "norm_topk_prob": (hf.get("norm_topk_prob", True), True),
-            "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default"),
             "rope_interleave": (hf.get("rope_interleave", True), True),
-            "scoring_func": (hf.get("scoring_func", "sigmoid"), "sigmoid"),
+            "mlp_bias": (hf.get("mlp_bias", False), False),
         },
     )
     return dict(
@@ -102,21 +87,13 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
         moe_hidden=hf.get("moe_intermediate_size", 2048),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        **rope_from_hf(hf, source),
         q_lora_rank=hf.get("q_lora_rank") or 0,
         kv_lora_rank=hf.get("kv_lora_rank", 512),
         qk_nope_head_dim=hf.get("qk_nope_head_dim", 128),
         qk_rope_head_dim=hf.get("qk_rope_head_dim", 64),
         v_head_dim=hf.get("v_head_dim", 128),
-        moe_experts=hf.get("n_routed_experts", 256),
-        moe_top_k=hf.get("num_experts_per_tok", 8),
-        moe_first_dense=hf.get("first_k_dense_replace", 3),
-        moe_groups=hf.get("n_group") or 1,
-        moe_topk_groups=hf.get("topk_group") or 1,
-        moe_routed_scale=float(hf.get("routed_scaling_factor", 2.5)),
-        moe_shared_expert=True,
-        moe_score="sigmoid",
-        moe_bias_balance=True,
+        **routing_from_hf(hf, source),
     )
 
 
@@ -144,14 +121,48 @@ def _pairs(c: DeepSeekConfig) -> list[tuple[str, int | None, str]]:
             pairs += [(f"{p}feed_forward.{ours}.weight", None, f"{h}mlp.{hf}.weight") for ours, hf in _SWIGLU]
             continue
         pairs += [(p + "feed_forward.gate.weight", None, h + "mlp.gate.weight")]
-        pairs += [(p + "feed_forward.expert_bias", None, h + "mlp.gate.e_score_correction_bias")]
+        if has_bias(c):
+            pairs += [(p + "feed_forward.expert_bias", None, h + "mlp.gate.e_score_correction_bias")]
         pairs += [(f"{p}feed_forward.shared.{ours}", 0, f"{h}mlp.shared_experts.{hf}.weight") for ours, hf in _SWIGLU]
         pairs += [
             (f"{p}feed_forward.experts.{ours}", j, f"{h}mlp.experts.{j}.{hf}.weight")
             for j in range(c.moe.experts)
             for ours, hf in _SWIGLU
         ]
+    return pairs + _prediction_pairs(c) if c.mtp_depth else pairs
+
+
+def _prediction_pairs(c: DeepSeekConfig) -> list[tuple[str, int | None, str]]:
+    """The multi-token prediction modules' tensors in the released layout: module k is layer n_layer + k, its
+    block's tensors named as a block's, beside `eh_proj`, `enorm`, `hnorm` and `shared_head.norm`."""
+    whole, pairs = _pairs(replace(c, n_layer=c.n_layer + c.mtp_depth, mtp_depth=0)), []
+    for k in range(c.mtp_depth):
+        block, p, h = f"layers.{c.n_layer + k}.", f"mtp.depths.{k}.", f"model.layers.{c.n_layer + k}."
+        pairs += [(p + "block." + ours.removeprefix(block), j, hf) for ours, j, hf in whole if ours.startswith(block)]
+        own = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("norm", "shared_head.norm"))
+        pairs += [(f"{p}{ours}.weight", None, f"{h}{hf}.weight") for ours, hf in own]
     return pairs
+
+
+def _prediction_copies(c: DeepSeekConfig, hf: StateDict) -> StateDict:
+    """The released layout's copies, in each prediction layer, of the embedding and head the modules share."""
+    head = hf["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"]
+    copies = {}
+    for k in range(c.mtp_depth):
+        h = f"model.layers.{c.n_layer + k}."
+        copies[h + "embed_tokens.weight"] = hf["model.embed_tokens.weight"].clone()
+        copies[h + "shared_head.head.weight"] = head.clone()
+    return copies
+
+
+def _unread(name: str, c: DeepSeekConfig) -> bool:
+    """A tensor of a released prediction layer that import leaves: its copy of the embedding or head (paralm's
+    modules share the model's), or any of a layer past `model.mtp_depth`'s (0: the modules are not imported)."""
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"] or len(parts) < 4 or not parts[2].isdigit() or int(parts[2]) < c.n_layer:
+        return False
+    copy = parts[3] == "embed_tokens" or parts[3:5] == ["shared_head", "head"]
+    return copy or int(parts[2]) >= c.n_layer + c.mtp_depth
 
 
 def _interleave(name: str, w: torch.Tensor, c: DeepSeekConfig, inverse: bool) -> torch.Tensor:
@@ -203,7 +214,7 @@ def to_hf(sd: StateDict, config: DeepSeekConfig) -> StateDict:
         if ours.endswith("expert_bias") and not config.moe.bias_balance:
             w = torch.zeros_like(w)
         out[theirs] = _interleave(ours, w, config, inverse=False).detach().contiguous()
-    return out
+    return out | _prediction_copies(config, out)
 
 
 def _unstacked(hf: StateDict) -> StateDict:
@@ -221,7 +232,7 @@ def _unstacked(hf: StateDict) -> StateDict:
 
 def from_hf(hf: StateDict, config: DeepSeekConfig, source: str) -> StateDict:
     """paralm's state dict from DeepseekV3 weights (the inverse of `to_hf`)."""
-    hf = _unstacked({k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")})
+    hf = _unstacked({k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq") and not _unread(k, config)})
     pairs = _pairs(config)
     expected = {theirs for _, _, theirs in pairs}
     missing = sorted(expected - set(hf))
@@ -239,6 +250,9 @@ def from_hf(hf: StateDict, config: DeepSeekConfig, source: str) -> StateDict:
         else:
             stacks.setdefault(ours, []).append(w)
     out |= {name: torch.stack(ws) for name, ws in stacks.items()}
+    if not has_bias(config):  # DeepseekV2's router has no balancing bias: paralm's is zero
+        gates = [ours for ours, _, _ in pairs if ours.endswith("feed_forward.gate.weight")]
+        out |= {gate.replace("gate.weight", "expert_bias"): torch.zeros(config.moe.experts) for gate in gates}
     if config.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return {k: v.float().contiguous() for k, v in out.items()}

@@ -21,7 +21,8 @@ from paralm.models import deepseek_hf
 from paralm.models.config import check_head_split
 from paralm.models.deepseek import DeepSeek, DeepSeekConfig, mla_dims
 from paralm.models.llama import TIED, ffn_hidden, moe_hidden
-from paralm.models.moe_config import moe_shape
+from paralm.models.llama_spec import check_rope
+from paralm.models.moe_config import is_moe_block, moe_shape
 from paralm.models.shape import ModelShape
 from paralm.models.spec import Branch, HFMapping, ModelSpec, PipelineParts, ShardedRegion
 from paralm.models.tensor_plan import BlockPart, DecoderNames, decoder_plan, decoder_sharded_regions
@@ -79,6 +80,9 @@ def shape(config: DeepSeekConfig) -> ModelShape:
         moe=replace(moe, dense_ffn_matrices=dense) if moe else None,
         mlp_fused=3 * hidden,
         layer_whole_matrices=_low_rank_matrices(config),
+        prediction_depth=config.mtp_depth,
+        prediction_moe_blocks=sum(is_moe_block(config, n + k) for k in range(config.mtp_depth)),
+        prediction_params=2 * d * d + 3 * d,  # eh_proj, enorm, hnorm and the module's final norm
     )
 
 
@@ -93,8 +97,9 @@ def check(config: DeepSeekConfig) -> None:
     for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_hidden", "ffn_hidden"):
         if getattr(config, name) < 0:
             raise UserError(f"model.{name} = {getattr(config, name)} must not be negative")
-    if config.rope_theta <= 0 or config.norm_eps <= 0:
-        raise UserError("model.rope_theta and model.norm_eps must be positive")
+    check_rope(config)
+    if config.norm_eps <= 0:
+        raise UserError(f"model.norm_eps = {config.norm_eps} must be positive")
 
 
 _NAMES = DecoderNames(
@@ -138,10 +143,10 @@ SPEC = ModelSpec(
         to_hf=deepseek_hf.to_hf,
         from_hf=deepseek_hf.from_hf,
         pieces=deepseek_hf.pieces,
-        related=(),
+        related=("deepseek_v2",),
         sizes=(
             *("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings"),
-            *("intermediate_size", "moe_intermediate_size", "kv_lora_rank"),
+            *("intermediate_size", "moe_intermediate_size", "kv_lora_rank", "n_shared_experts", "num_experts_per_tok"),
             *("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
         ),
     ),

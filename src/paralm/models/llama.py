@@ -29,7 +29,14 @@ from paralm.models.documents import document_mask, document_positions, masked_at
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE
 from paralm.models.moe_config import MoEConfig, is_moe_block
-from paralm.models.rope import inverse_frequencies, llama3_scaled, rotary_tables, rotate
+from paralm.models.rope import (
+    inverse_frequencies,
+    llama3_scaled,
+    rotary_tables,
+    rotate,
+    yarn_attention_factor,
+    yarn_scaled,
+)
 from paralm.models.seeding import seed_parameter
 
 TIED = {"output.weight": "tok_embeddings.weight"}  # with model.tie_embeddings
@@ -37,8 +44,8 @@ TIED = {"output.weight": "tok_embeddings.weight"}  # with model.tie_embeddings
 
 @dataclass
 class DecoderConfig(ModelConfig):
-    """What paralm's Llama module reads besides its attention's settings: RMSNorm, RoPE's base, SwiGLU's widths
-    and the head. DeepSeek's options share them (its model is this module with latent attention)."""
+    """What paralm's Llama module reads besides its attention's settings: RMSNorm, RoPE's base and scaling,
+    SwiGLU's widths and the head. DeepSeek's options share them (its model is this module with latent attention)."""
 
     rope_theta: float = field(default=10000.0, metadata={"help": "rotary embedding base"})
     norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
@@ -49,13 +56,35 @@ class DecoderConfig(ModelConfig):
         default=0, metadata={"help": "each routed and shared expert's SwiGLU width (0: model.ffn_hidden's)"}
     )
     tie_embeddings: bool = field(default=False, metadata={"help": "the head shares the token embedding"})
+    rope_scaling: str = field(
+        default="none", metadata={"help": "RoPE frequency scaling: none, linear, llama3 (Llama 3.1) or yarn (YaRN)"}
+    )
+    rope_factor: float = field(default=1.0, metadata={"help": "RoPE scaling factor (linear, llama3, yarn)"})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama3 scaling's low_freq_factor"})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama3 scaling's high_freq_factor"})
+    rope_original_context: int = field(
+        default=8192, metadata={"help": "the context before scaling: original_max_position_embeddings (llama3, yarn)"}
+    )
+    rope_beta_fast: float = field(
+        default=32.0, metadata={"help": "yarn: pairs turning more often over the original context keep their frequency"}
+    )
+    rope_beta_slow: float = field(
+        default=1.0, metadata={"help": "yarn: pairs turning less often over the original context are interpolated"}
+    )
+    rope_mscale: float = field(
+        default=0.0, metadata={"help": "yarn's mscale (0: unset): with rope_mscale_all_dim, sets cos/sin's factor"}
+    )
+    rope_mscale_all_dim: float = field(
+        default=0.0,
+        metadata={"help": "yarn's mscale_all_dim (0: unset); DeepSeek also scales its softmax by its mscale squared"},
+    )
 
 
 @dataclass
 class LlamaConfig(DecoderConfig):
-    """Llama's options, with those of the architectures it imports exactly: grouped-query attention, RoPE
-    scaling (Llama 3.1), q/k/v biases (Qwen2), per-head q/k norms and an explicit head width (Qwen3), a
-    sliding window (Mistral), MoE feed-forwards (Mixtral, Qwen3-MoE)."""
+    """Llama's options, with those of the architectures it imports exactly: grouped-query attention, q/k/v
+    biases (Qwen2), per-head q/k norms and an explicit head width (Qwen3), a sliding window (Mistral), MoE
+    feed-forwards (Mixtral, Qwen3-MoE)."""
 
     family: str = "llama"
     n_kv_heads: int = field(
@@ -64,15 +93,6 @@ class LlamaConfig(DecoderConfig):
     head_dim: int = field(default=0, metadata={"help": "width of each attention head (0: d_model / n_head)"})
     attention_bias: bool = field(default=False, metadata={"help": "biases on q, k and v (Qwen2)"})
     qk_norm: bool = field(default=False, metadata={"help": "RMSNorm of each query and key head (Qwen3)"})
-    rope_scaling: str = field(
-        default="none", metadata={"help": "RoPE frequency scaling: none, linear or llama3 (Llama 3.1)"}
-    )
-    rope_factor: float = field(default=1.0, metadata={"help": "RoPE scaling factor (linear, llama3)"})
-    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama3 scaling's low_freq_factor"})
-    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama3 scaling's high_freq_factor"})
-    rope_original_context: int = field(
-        default=8192, metadata={"help": "llama3 scaling's original_max_position_embeddings"}
-    )
     sliding_window: int = field(
         default=0, metadata={"help": "each token attends to itself and the window - 1 tokens before it (0: off)"}
     )
@@ -84,15 +104,26 @@ def head_dim(config: LlamaConfig) -> int:
     return config.head_dim or config.d_model // config.n_head
 
 
-def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
-    """RoPE's frequencies for a head, scaled as `model.rope_scaling` says."""
-    inv_freq = inverse_frequencies(config.rope_theta, head_dim(config), device)
+def rope_frequencies(config: DecoderConfig, width: int, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's frequencies for `width` rotated dimensions of a head, scaled as `model.rope_scaling` says."""
+    inv_freq = inverse_frequencies(config.rope_theta, width, device)
+    factor, context = config.rope_factor, config.rope_original_context
     if config.rope_scaling == "linear":
-        return inv_freq / config.rope_factor
+        return inv_freq / factor
     if config.rope_scaling == "llama3":
-        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-        return llama3_scaled(inv_freq, config.rope_factor, low, high, config.rope_original_context)
+        return llama3_scaled(inv_freq, factor, config.rope_low_freq_factor, config.rope_high_freq_factor, context)
+    if config.rope_scaling == "yarn":
+        return yarn_scaled(inv_freq, config.rope_theta, factor, context, config.rope_beta_fast, config.rope_beta_slow)
     return inv_freq
+
+
+def rope_tables(config: DecoderConfig, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of `width` rotated dimensions at `positions` (`rope.rotary_tables`), with YaRN's attention
+    factor on both."""
+    scale = 1.0
+    if config.rope_scaling == "yarn":
+        scale = yarn_attention_factor(config.rope_factor, config.rope_mscale, config.rope_mscale_all_dim)
+    return rotary_tables(positions, rope_frequencies(config, width, positions.device), scale)
 
 
 def ffn_hidden(config: DecoderConfig, multiple_of: int = 256) -> int:
@@ -147,7 +178,7 @@ class Attention(nn.Module):
         start = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(start, start + seq, device=q.device)
-        cos, sin = rotary_tables(positions, rope_frequencies(self.config, q.device))
+        cos, sin = rope_tables(self.config, positions, self.head_dim)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         if self.config.sliding_window:  # q holds the whole sequence here, also under sequence parallelism

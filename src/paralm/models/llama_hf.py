@@ -1,6 +1,6 @@
-"""The Llama family as Hugging Face architectures, both ways: Llama (with Llama 3.1's or linear RoPE
-scaling), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms, an explicit head width), Mistral (with its
-sliding window), and Mixtral for MoE feed-forwards (`paralm.models.mixtral_hf`).
+"""The Llama family as Hugging Face architectures, both ways: Llama (with Llama 3.1's, linear or YaRN RoPE
+scaling: `paralm.models.rope_hf`), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms, an explicit head
+width), Mistral (with its sliding window), and Mixtral for MoE feed-forwards (`paralm.models.mixtral_hf`).
 
 All of them are paralm's Llama with options: the weights keep their names but for the `model.`
 prefix and the submodule names in `_RENAMES`, so the mapping is a list of name pairs (`pieces`, from which
@@ -18,6 +18,7 @@ from paralm.errors import UserError
 from paralm.models import mixtral_hf, qwen3_moe_hf
 from paralm.models.llama import LlamaConfig, ffn_hidden, head_dim, kv_heads
 from paralm.models.moe_config import is_moe_block
+from paralm.models.rope_hf import rope_from_hf, rope_to_hf
 from paralm.models.spec import HFPiece, StateDict, refuse_differences
 
 _RENAMES = {
@@ -33,7 +34,6 @@ _RENAMES = {
 }
 _BIASES = ("attention.wq", "attention.wk", "attention.wv")
 _HEAD_NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
-_SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}  # HF rope_type -> model.rope_scaling
 
 
 def _architecture(c: LlamaConfig) -> tuple[str, str]:
@@ -57,30 +57,15 @@ def _architecture(c: LlamaConfig) -> tuple[str, str]:
     return "LlamaForCausalLM", "llama"
 
 
-def _rope_parameters(c: LlamaConfig) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": "default" if c.rope_scaling == "none" else c.rope_scaling}
-    if c.rope_scaling != "none":
-        rope["factor"] = c.rope_factor
-    if c.rope_scaling == "llama3":
-        rope |= {
-            "low_freq_factor": c.rope_low_freq_factor,
-            "high_freq_factor": c.rope_high_freq_factor,
-            "original_max_position_embeddings": c.rope_original_context,
-        }
-    return rope
-
-
 def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
     """`config.json`'s fields for the same architecture, `architectures` and `model_type` included."""
     architecture, model_type = _architecture(c)
     moe = {"mixtral": mixtral_hf.config_to_hf, "qwen3_moe": qwen3_moe_hf.config_to_hf}.get(model_type)
     moe_fields = moe(c) if moe else {}
-    rope = _rope_parameters(c)
-    scaling = {"rope_scaling": rope} if c.rope_scaling != "none" else {}  # what transformers 4.x reads
     return (
         dict(architectures=[architecture], model_type=model_type)
         | moe_fields
-        | scaling
+        | rope_to_hf(c)
         | dict(
             vocab_size=c.vocab_size,
             hidden_size=c.d_model,
@@ -91,8 +76,6 @@ def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
             head_dim=head_dim(c),
             max_position_embeddings=c.block_size,
             rms_norm_eps=c.norm_eps,
-            rope_theta=c.rope_theta,
-            rope_parameters=rope | {"rope_theta": c.rope_theta},
             tie_word_embeddings=c.tie_embeddings,
             hidden_act="silu",
             attention_bias=False if c.qk_norm else c.attention_bias,
@@ -102,26 +85,6 @@ def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
             sliding_window=c.sliding_window or None,
         )
     )
-
-
-def _rope_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in _SCALINGS:
-        raise UserError(
-            f"{source}: rope_type = {kind!r}; paralm computes RoPE exactly with {', '.join(_SCALINGS)} only"
-        )
-    fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    fields["rope_scaling"] = _SCALINGS[kind]
-    if kind != "default":
-        fields["rope_factor"] = float(rope["factor"])
-    if kind == "llama3":
-        fields |= {
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_context": int(rope["original_max_position_embeddings"]),
-        }
-    return fields
 
 
 def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -147,7 +110,7 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     moe_fields = moe(hf, source) if moe else {}
     return (
         moe_fields
-        | _rope_fields(hf, source)
+        | rope_from_hf(hf, source)
         | dict(
             family="llama",
             n_layer=hf.get("num_hidden_layers", 32),

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paralm.errors import UserError
 from paralm.models import llama_hf
 from paralm.models.config import check_head_split
-from paralm.models.llama import TIED, Llama, LlamaConfig, ffn_hidden, head_dim, kv_heads, moe_hidden
+from paralm.models.llama import TIED, DecoderConfig, Llama, LlamaConfig, ffn_hidden, head_dim, kv_heads, moe_hidden
 from paralm.models.moe_config import moe_shape
 from paralm.models.rope import ROPE_SCALINGS
 from paralm.models.shape import ModelShape
@@ -71,6 +71,25 @@ def shape(config: LlamaConfig) -> ModelShape:
     )
 
 
+def check_rope(config: DecoderConfig) -> None:
+    """RoPE settings no scaling computes, each a one-line error (Llama's and DeepSeek's)."""
+    if config.rope_scaling not in ROPE_SCALINGS:
+        raise UserError(f"model.rope_scaling = {config.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}")
+    if config.rope_scaling == "llama3" and config.rope_high_freq_factor <= config.rope_low_freq_factor:
+        raise UserError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor (llama3 RoPE scaling)")
+    if config.rope_scaling == "yarn" and not 0 < config.rope_beta_slow < config.rope_beta_fast:
+        raise UserError(
+            f"model.rope_beta_fast = {config.rope_beta_fast} must exceed model.rope_beta_slow = "
+            f"{config.rope_beta_slow} > 0 (yarn RoPE scaling: rotations over the original context)"
+        )
+    for name in ("rope_theta", "rope_factor", "rope_original_context"):
+        if getattr(config, name) <= 0:
+            raise UserError(f"model.{name} = {getattr(config, name)} must be positive")
+    for name in ("rope_mscale", "rope_mscale_all_dim"):
+        if getattr(config, name) < 0:
+            raise UserError(f"model.{name} = {getattr(config, name)} must not be negative (0: unset)")
+
+
 def check(config: LlamaConfig) -> None:
     """Shapes RoPE and grouped-query attention cannot take, each a one-line error."""
     check_head_split(config)  # as transformers' LlamaConfig, which an export must load
@@ -85,17 +104,9 @@ def check(config: LlamaConfig) -> None:
             f"the head width (model.head_dim, or model.d_model / model.n_head) = {head_dim(config)} must be a "
             "positive even number: RoPE rotates pairs of dimensions"
         )
-    if config.rope_scaling not in ROPE_SCALINGS:
-        raise UserError(f"model.rope_scaling = {config.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}")
-    if config.rope_scaling == "llama3" and config.rope_high_freq_factor <= config.rope_low_freq_factor:
-        raise UserError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor (llama3 RoPE scaling)")
-    for name, value in (
-        ("rope_theta", config.rope_theta),
-        ("norm_eps", config.norm_eps),
-        ("rope_factor", config.rope_factor),
-    ):
-        if value <= 0:
-            raise UserError(f"model.{name} = {value} must be positive")
+    check_rope(config)
+    if config.norm_eps <= 0:
+        raise UserError(f"model.norm_eps = {config.norm_eps} must be positive")
     for name, value in (("ffn_hidden", config.ffn_hidden), ("moe_hidden", config.moe_hidden)):
         if value < 0:
             raise UserError(f"model.{name} = {value} must be positive (or 0 for its default)")

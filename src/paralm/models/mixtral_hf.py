@@ -34,7 +34,7 @@ def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "model.moe_first_dense": (c.moe.first_dense, 0),
         "model.moe_groups": (c.moe.groups, 1),
         "model.moe_routed_scale": (c.moe.routed_scale, 1.0),
-        "model.moe_shared_expert": (c.moe.shared_expert, False),
+        "model.moe_shared_experts": (c.moe.shared_experts, 0),
         "model.moe_score": (c.moe.score, "softmax"),
         "model.moe_bias_balance": (c.moe.bias_balance, False),
         "model.moe_capacity": (c.moe.capacity, 0.0),

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paralm.models.config import ModelConfig
-from paralm.models.moe_config import MoEConfig, is_moe_block, moe_layer_count, moe_options
+from paralm.models.moe_config import MoEConfig, is_moe_block, moe_options, moe_slots
 
 RESIDUAL = ("experts.w2", "shared.w2")  # output projections: the families scale their initial std
 
@@ -111,16 +111,18 @@ class MoE(nn.Module):
         super().__init__()
         self.options: MoEConfig = moe_options(config)
         self.slot = sum(is_moe_block(config, i) for i in range(layer))  # its place among the model's MoE layers
-        self.layers = moe_layer_count(config)  # the model's MoE layers, which `take_statistics` lays out
+        self.layers = moe_slots(config)  # the model's MoE layers, which `take_statistics` lays out
         experts, d = self.options.experts, config.d_model
         self.gate = nn.Linear(d, experts, bias=False)
         self.experts = GroupedExperts(experts, d, hidden, gated)
-        self.shared = GroupedExperts(1, d, hidden, gated) if self.options.shared_expert else None
+        # n shared experts as one MLP n times as wide: the same sum, as DeepSeek's released weights store them
+        shared = self.options.shared_experts
+        self.shared = GroupedExperts(1, d, hidden * shared, gated) if shared else None
         self.register_buffer("expert_bias", torch.zeros(experts))  # loss-free balancing; saved in checkpoints
-        # Per-sequence means the balance terms read; where a layer routes part of each sequence (sequence
-        # parallelism), the parallel code completes them over the ranks holding the other parts
+        # Per-sequence means the balance terms read; where a layer routes part of each sequence (sequence or
+        # context parallelism), the parallel code completes them over the ranks holding the other parts
         self.sequence_mean = nn.Identity()
-        self.position_group: dist.ProcessGroup | None = None  # those ranks, marked by the parallel code
+        self.position_groups: list[dist.ProcessGroup] = []  # those ranks, marked by the parallel code
         self.dropout = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None  # tokens routed to each expert this step (before drops)
@@ -149,11 +151,12 @@ class MoE(nn.Module):
         return logits, scores, chosen, weights * c.routed_scale
 
     def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """Group-limited routing (DeepSeek-V3): experts outside each token's `moe_topk_groups` groups, ranked
-        by the sum of their two best choice scores, set to -inf."""
+        """Group-limited routing: experts outside each token's `moe_topk_groups` groups set to -inf, the groups
+        ranked by the sum of their two best choice scores (`top2`, DeepSeek-V3) or by their best (`max`, V2)."""
         c = self.options
         grouped = choice.view(choice.shape[0], c.groups, -1)
-        best = grouped.topk(2, dim=-1).values.sum(-1).topk(c.topk_groups, dim=-1).indices
+        ranks = grouped.amax(-1) if c.group_score == "max" else grouped.topk(2, dim=-1).values.sum(-1)
+        best = ranks.topk(c.topk_groups, dim=-1).indices
         keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
@@ -274,11 +277,11 @@ def balance_figures(summed: list[float], replicas: int, experts: int, tp: int = 
 
 def routing_groups(module: nn.Module, dp_group: dist.ProcessGroup | None) -> list[dist.ProcessGroup]:
     """The ranks routing the step's other tokens, over which its tokens per expert sum: the data-parallel
-    group, and the group each MoE layer routing part of every sequence shares the rest with (`position_group`)."""
+    group, and the groups each MoE layer routing part of every sequence shares the rest with (`position_groups`:
+    the tp ranks under sequence parallelism, the cp ranks)."""
     groups = [dp_group] if dp_group is not None else []
     for layer in moe_layers(module):
-        if layer.position_group is not None and layer.position_group not in groups:
-            groups.append(layer.position_group)
+        groups.extend(group for group in layer.position_groups if group not in groups)
     return groups
 
 

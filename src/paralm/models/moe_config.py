@@ -22,7 +22,10 @@ class MoEConfig:
         default=True, metadata={"help": "renormalise the chosen experts' weights to sum to 1 (top-k > 1, or sigmoid)"}
     )
     every: int = field(default=1, metadata={"help": "every k-th block's feed-forward is MoE (1: all of them)"})
-    shared_expert: bool = field(default=False, metadata={"help": "an always-on expert beside the routed ones"})
+    shared_experts: int = field(
+        default=0,
+        metadata={"help": "always-on experts beside the routed ones, one MLP moe_hidden x this wide (DeepSeek's)"},
+    )
     score: str = field(default="softmax", metadata={"help": "router scores: softmax or sigmoid"})
     aux_loss: float = field(
         default=0.01, metadata={"help": "coefficient of the load-balancing loss (Switch/GShard, per sequence)"}
@@ -38,7 +41,11 @@ class MoEConfig:
     )
     groups: int = field(default=1, metadata={"help": "expert groups for group-limited routing (DeepSeek-V3)"})
     topk_groups: int = field(
-        default=1, metadata={"help": "groups each token's experts come from, the best by their top-2 scores"}
+        default=1, metadata={"help": "groups each token's experts come from, the best by model.moe_group_score"}
+    )
+    group_score: str = field(
+        default="top2",
+        metadata={"help": "a group's rank: top2 (its 2 best scores summed, DeepSeek-V3) or max (DeepSeek-V2)"},
     )
     capacity: float = field(
         default=0.0, metadata={"help": "capacity factor: tokens over it are dropped and counted (0: dropless)"}
@@ -76,16 +83,21 @@ def moe_shape(
     if moe is None:
         return None
     expert_matrices = ffn_matrices if expert_matrices is None else expert_matrices
+    n, d = moe.shared_experts, config.d_model  # the shared MLP's hidden side, n times an expert's, is not d_model's
+    shared = tuple((r * n, c, k) if r != d else (r, c * n, k) for r, c, k in expert_matrices) if n else ()
     return MoEShape(
         layers=moe_layer_count(config),
         experts=moe.experts,
         top_k=moe.top_k,
-        shared=int(moe.shared_expert),
+        shared=moe.shared_experts,
         expert_params=sum(rows * cols * count for rows, cols, count in expert_matrices),
         router_params=config.d_model * moe.experts,
         dense_ffn_params=dense_ffn_params,
         expert_matrices=expert_matrices,
         dense_ffn_matrices=ffn_matrices,
+        shared_matrices=shared,
+        groups=moe.groups,
+        topk_groups=moe.topk_groups,
     )
 
 
@@ -102,12 +114,16 @@ def check_moe(config: ModelConfig) -> None:
         raise UserError(f"model.moe_every = {moe.every} must be at least 1")
     if moe.score not in ("softmax", "sigmoid"):
         raise UserError(f"model.moe_score = {moe.score!r} must be 'softmax' or 'sigmoid'")
-    for name in ("aux_loss", "z_loss", "capacity", "bias_rate", "first_dense"):
+    if moe.group_score not in ("top2", "max"):
+        raise UserError(f"model.moe_group_score = {moe.group_score!r} must be 'top2' or 'max'")
+    for name in ("aux_loss", "z_loss", "capacity", "bias_rate", "first_dense", "shared_experts"):
         if getattr(moe, name) < 0:
             raise UserError(f"model.moe_{name} = {getattr(moe, name)} must not be negative")
     groups, per_group = moe.groups, moe.experts // max(moe.groups, 1)
-    if groups < 1 or moe.experts % groups or (groups > 1 and per_group < 2):
-        raise UserError(f"model.moe_groups = {groups} must divide model.moe_experts into groups of 2 or more")
+    if groups < 1 or moe.experts % groups or (groups > 1 and per_group < 2 and moe.group_score == "top2"):
+        raise UserError(
+            f"model.moe_groups = {groups} must divide model.moe_experts into groups (of 2 or more, ranked by top2)"
+        )
     if not 1 <= moe.topk_groups <= groups or moe.topk_groups * per_group < moe.top_k:
         raise UserError(
             f"model.moe_topk_groups = {moe.topk_groups} must be between 1 and model.moe_groups and its "
@@ -117,3 +133,9 @@ def check_moe(config: ModelConfig) -> None:
 
 def moe_layer_count(config: ModelConfig) -> int:
     return sum(is_moe_block(config, i) for i in range(config.n_layer))
+
+
+def moe_slots(config: ModelConfig) -> int:
+    """The MoE layers a model builds: its blocks' and its multi-token prediction blocks' (`model.mtp_depth`,
+    numbered after the last block as in DeepSeek-V3's released layout)."""
+    return sum(is_moe_block(config, i) for i in range(config.n_layer + getattr(config, "mtp_depth", 0)))

@@ -86,6 +86,19 @@ def model_config(family: str = "gpt2", **fields: Any) -> ModelConfig:
     return from_flat(options, {"family": family, **fields})
 
 
+# `[model]` keys paralm once wrote under another name -> the name now
+RENAMED = {"moe_shared_expert": "moe_shared_experts"}  # a bool then, a count now
+
+
+def renamed(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A file's `[model]` fields with the keys of `RENAMED` under their names now, so a run's config.toml
+    written before a rename still loads (`moe_shared_expert = true` is one shared expert)."""
+    return {
+        RENAMED.get(key, key): int(value) if key in RENAMED and isinstance(value, bool) else value
+        for key, value in fields.items()
+    }
+
+
 def inert_dropped(fields: Mapping[str, Any], family: str) -> dict[str, Any]:
     """A file's `[model]` fields less those `family` does not declare that hold the default of every family
     declaring them. A config file written for another family (configs/tiny.toml under

@@ -19,12 +19,15 @@ class MoEShape:
     layers: int  # blocks whose feed-forward is MoE
     experts: int  # routed experts per MoE block
     top_k: int  # routed experts per token
-    shared: int  # always-on experts per MoE block (0 or 1)
+    shared: int  # always-on experts per MoE block, each `expert_params` (DeepSeek's one MLP n times as wide)
     expert_params: int  # one expert's weights
     router_params: int  # the router's d_model x experts
     dense_ffn_params: int  # the dense feed-forward (matrices and biases) an MoE block has instead
     expert_matrices: tuple[tuple[int, int, int], ...] = ()  # one expert's (rows, columns, how many)
     dense_ffn_matrices: tuple[tuple[int, int, int], ...] = ()  # the dense feed-forward's, in `layer_matrices`
+    shared_matrices: tuple[tuple[int, int, int], ...] = ()  # the shared experts' all told: one MLP, `shared` x wider
+    groups: int = 1  # expert groups of group-limited routing (DeepSeek-V3's n_group; 1: a token may pick any expert)
+    topk_groups: int = 1  # the groups each token's experts come from (its topk_group)
 
     def params(self, experts: int) -> int:
         """What the MoE blocks add to the dense model's count, with `experts` of each block counted."""
@@ -66,6 +69,12 @@ class ModelShape:
     # which every head reads); their parameters count among `layer_replicated_params`
     layer_whole_matrices: tuple[tuple[int, int, int], ...] = ()
     attention_window: int = 0  # each query sees itself and this many - 1 keys before it (a sliding window); 0: all
+    # multi-token prediction (`paralm.models.mtp`): modules after the last block, each one more block (a dense
+    # block's counts, `prediction_moe_blocks` of them MoE) and `prediction_params` of its own (its norms and
+    # projection), whose output passes through the head once more per trained token
+    prediction_depth: int = 0
+    prediction_moe_blocks: int = 0
+    prediction_params: int = 0
 
     @property
     def mlp_fused_traffic(self) -> int:
@@ -83,12 +92,24 @@ class ModelShape:
     def params(self) -> int:
         """Every parameter, counted once (a tied head with its embedding; every expert)."""
         outer = self.embedding_params + self.head_params + self.position_params + self.final_norm_params
-        return outer + self.n_layer * self.layer_params + (self.moe.params(self.moe.experts) if self.moe else 0)
+        blocks = self.n_layer * self.layer_params + (self.moe.params(self.moe.experts) if self.moe else 0)
+        return outer + blocks + self.prediction_total(self.moe.experts if self.moe else 0)
 
     @cached_property
     def active_params(self) -> int:
         """The parameters a token meets: an MoE block counts its router, shared and top-k experts only."""
-        return self.params - (self.moe.params(self.moe.experts) - self.moe.params(self.moe.top_k) if self.moe else 0)
+        if self.moe is None:
+            return self.params
+        unused = self.moe.params(self.moe.experts) - self.moe.params(self.moe.top_k)
+        return self.params - unused - (self.prediction_total(self.moe.experts) - self.prediction_total(self.moe.top_k))
+
+    def prediction_total(self, experts: int) -> int:
+        """The multi-token prediction modules' parameters, with `experts` routed experts of an MoE block counted."""
+        moe, routed = self.moe, 0
+        if moe is not None:
+            per_block = moe.router_params + (experts + moe.shared) * moe.expert_params - moe.dense_ffn_params
+            routed = self.prediction_moe_blocks * per_block
+        return self.prediction_depth * (self.layer_params + self.prediction_params) + routed
 
     @cached_property
     def flops_params(self) -> int:
@@ -102,8 +123,10 @@ class ModelShape:
         """Model FLOPs per trained token, forward and backward: 6N + 12 L d s (Kaplan et al. 2020; PaLM,
         appendix B; nanoGPT's `estimate_mfu`). 6N: 2 FLOPs per multiply-add, backward twice the forward;
         12 L d s: QK^T and AV over a context of s at full (non-causal) cost. Recomputation is not
-        counted (not useful work), as the MFU convention has it."""
-        return 6 * self.flops_params + 12 * self.n_layer * self.d_model * self.block_size
+        counted (not useful work), as the MFU convention has it. Multi-token prediction's modules count as
+        blocks, and their passes through the head as more head parameters."""
+        heads, blocks = self.prediction_depth * self.head_matrix_params, self.n_layer + self.prediction_depth
+        return 6 * (self.flops_params + heads) + 12 * blocks * self.d_model * self.block_size
 
     @cached_property
     def head_matrix_params(self) -> int:

@@ -167,16 +167,20 @@ def init_runtime(parallel: ParallelConfig, sync: SyncConfig) -> Runtime:
     )
 
 
-def rehearsal_runtime(parallel: ParallelConfig, sync: SyncConfig, rank: int, world_size: int) -> Runtime:
+def rehearsal_runtime(
+    parallel: ParallelConfig, sync: SyncConfig, rank: int, world_size: int, device: torch.device | None = None
+) -> Runtime:
     """Rank `rank` of a `world_size`-rank job in this one process, for a dry run: a fake process group
     (no peers, every collective a no-op) and the meta device, so the real strategies shard a model that
-    never allocates memory. No host groups: nothing here talks to a peer."""
+    never allocates memory. No host groups: nothing here talks to a peer. With a real `device` the rank's
+    shards are allocated there and its compute runs (`paralm plan --measure` times it)."""
     dims = ParallelDims.from_config(parallel, sync, world_size)
     if sync.servers:
         raise UserError("a dry run rehearses the trainer's mesh: sync.ps_servers has no place in it")
+    device = device or torch.device("meta")
     init_fake_process_group(rank, world_size)
-    mesh, dp_mesh, grad_mesh = _meshes("cpu", dims, 0, world_size)
-    return Runtime(rank, rank, world_size, torch.device("meta"), dims, mesh, dp_mesh, grad_mesh=grad_mesh)
+    mesh, dp_mesh, grad_mesh = _meshes("cpu" if device.type == "meta" else device.type, dims, 0, world_size)
+    return Runtime(rank, rank, world_size, device, dims, mesh, dp_mesh, grad_mesh=grad_mesh)
 
 
 def _meshes(device_type: str, dims: ParallelDims, servers: int, world_size: int) -> tuple[DeviceMesh, ...]:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers that route this rank's part of each sequence, under sequence parallelism.
+"""Mixture-of-experts layers that route this rank's part of each sequence, under sequence or context
+parallelism.
 
 The tensor-parallel plan (`paralm.models.tensor_plan`) hands a token-wise MoE layer (`MoE.token_wise`)
 this rank's positions instead of the gathered sequence, so the tp ranks split the routing, the experts'
@@ -13,7 +14,12 @@ tokens alike):
   split by expert parallelism has the same shard on its tp peers (tp is the innermost mesh dim of both
   meshes), so its local gradient sums alike.
 The loss-free bias counts the tokens of the whole step: each such layer is marked with the group
-(`MoE.position_group`), over which its counts sum too (`paralm.models.moe.routing_groups`).
+(`MoE.position_groups`), over which its counts sum too (`paralm.models.moe.routing_groups`).
+
+Context parallelism splits every layer's sequences alike (`split_context_routing`): the means complete
+over the cp group too, but there each part keeps the whole of the mean's gradient, because the cp
+ranks' gradients are averaged with the data-parallel ones (each holds the mean loss of its share of the
+positions), where the tp ranks' are summed. The two compose: under both, a part's gradient is 1/tp.
 """
 
 from __future__ import annotations
@@ -35,19 +41,33 @@ def sequence_routed_layers(model: nn.Module, sequence_parallel: bool) -> list[Mo
 
 
 def split_sequence_routing(model: nn.Module, sequence_parallel: bool, group: dist.ProcessGroup) -> None:
-    """Each sequence-routed layer marked with `group`, the ranks holding the other parts of its sequences, and
-    its per-sequence means averaged over them."""
+    """Each sequence-routed layer marked with `group`, the tp ranks holding the other parts of its sequences,
+    and its per-sequence means averaged over them (each part's gradient 1/tp of the mean's: tp sums)."""
     for layer in sequence_routed_layers(model, sequence_parallel):
-        layer.position_group = group
-        layer.sequence_mean.register_forward_hook(partial(_mean_over, group))
+        _complete_over(layer, group, 1 / dist.get_world_size(group))
 
 
-def _mean_over(group: dist.ProcessGroup, module: nn.Module, inputs: Any, part: torch.Tensor) -> torch.Tensor:
-    """The mean of the ranks' `part`s (equal numbers of positions each); its gradient is 1/n of the mean's."""
+def split_context_routing(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Every MoE layer marked with `group`, the cp ranks holding the other positions of its sequences, and its
+    per-sequence means averaged over them (each part keeps the mean's whole gradient: cp averages)."""
+    for layer in moe_layers(model):
+        _complete_over(layer, group, 1.0)
+
+
+def _complete_over(layer: MoE, group: dist.ProcessGroup, gradient_share: float) -> None:
+    layer.position_groups.append(group)
+    layer.sequence_mean.register_forward_hook(partial(_mean_over, group, gradient_share))
+
+
+def _mean_over(
+    group: dist.ProcessGroup, gradient_share: float, module: nn.Module, inputs: Any, part: torch.Tensor
+) -> torch.Tensor:
+    """The mean of the ranks' `part`s (equal numbers of positions each), with `gradient_share` of the mean's
+    gradient flowing to this rank's part."""
     total = part.detach().clone()
     dist.all_reduce(total, group=group)
-    n = dist.get_world_size(group)
-    return part / n + (total - part.detach()) / n
+    kept = part * gradient_share
+    return kept + (total / dist.get_world_size(group) - kept.detach())
 
 
 class SequenceRoutedGradients:

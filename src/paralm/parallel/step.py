@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from paralm.models.loss import IGNORE_INDEX
 from paralm.models.moe import pop_auxiliary_loss
+from paralm.models.mtp import prediction_loss
 from paralm.models.step import StepBatch
 from paralm.parallel.context.layout import SequenceShard
 from paralm.parallel.ddp import gradient_sync
@@ -102,7 +103,10 @@ class PlainStep:
                     else:
                         loss = self._loss(x, y, *rest, tokens=tokens)
                     aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss
-                scale(loss if aux is None else loss + _like(loss, aux) / len(batches)).backward()
+                    share = 1.0 if tokens is not None else 1 / len(batches)
+                    ahead = prediction_loss(self.module, self.head, y, tokens, share)  # multi-token prediction's
+                total = loss if aux is None else loss + _like(loss, aux) / len(batches)
+                scale(total if ahead is None else total + ahead).backward()
             loss_sum += local_value(loss.detach())
         return loss_sum
 

@@ -24,10 +24,22 @@ def add_plan_verbs(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--validate",
         action="store_true",
-        help="price the published GPU runs paralm ships (docs/planner-validation.md) and compare; "
-        "--cluster prices them on another description of an H100 (default: the h100 preset)",
+        help="price the published GPU runs paralm ships (docs/planner-validation.md) and compare, in-sample and "
+        "held out by source; --cluster prices the runs of its chip on it (default: the h100 and a100-80gb presets)",
+    )
+    plan.add_argument(
+        "--choices",
+        action="store_true",
+        help="with --validate: for each published run, the layout paralm recommends for its model, cluster and batch "
+        "against the published one, and what paralm refuses of that (searches every run: a minute or more)",
     )
     plan.add_argument("--top", type=int, default=10, help="layouts to show (and to write with --json); 0: all")
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="time each shown layout's per-rank forward and backward on this machine's GPU (else its CPU) and "
+        "price the step with it (one build per distinct rank shape: --top bounds the time)",
+    )
     plan.add_argument("--write-config", metavar="PATH", help="write the best layout as a config paralm trains with")
     plan.set_defaults(func=_plan)
 
@@ -73,14 +85,22 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.cluster import parse_cluster
+    from paralm.plan.heldout import banded
     from paralm.plan.moe import moe_summary
     from paralm.plan.muon import muon_summary
-    from paralm.plan.report import plans_table, summary
+    from paralm.plan.report import band_line, plans_table, summary
     from paralm.plan.request import load_request
     from paralm.plan.search import search
     from paralm.plan.validate import error_line, report
 
+    if args.choices and not args.validate:
+        raise UserError("--choices goes with --validate (paralm plan --validate --choices)")
     if args.validate:
+        if args.choices:
+            from paralm.plan.choices import choices_table
+
+            print(choices_table(args.cluster or "h100"))
+            return 0
         print(report(args.cluster or "h100"))
         return 0
     if not args.cluster:
@@ -96,7 +116,12 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         recipe=args.recipe,
         overlap=not args.no_overlap,
     )
-    shown = plans[: args.top] if args.top else plans
+    shown = [banded(plan, work, cluster) for plan in (plans[: args.top] if args.top else plans)]
+    if args.measure:
+        from paralm.plan.measure import Measurer, device_line
+
+        measurer = Measurer(config)
+        shown = [measurer.price(plan, work) for plan in shown]
     if args.write_config:
         path = Path(args.write_config)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +138,9 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print(muon)
     print(f"{len(plans)} layouts fit (of each, the largest micro-batch that fits); the fastest {len(shown)}:")
     print(plans_table(shown))
+    print(band_line(shown[0]))
+    if args.measure:
+        print(f"{device_line(measurer.device)}; {len(measurer.cache)} distinct rank shapes built")
     if args.write_config:
         print(f"wrote the best layout to {args.write_config}")
     return 0

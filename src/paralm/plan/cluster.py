@@ -190,8 +190,9 @@ def _dgx(
 # matmul FLOPS", S. Bekman, Machine Learning Engineering, compute/accelerator, measured with CUDA 12.1)
 # is 267.9 of 312 TFLOP/s on an A100 SXM (85.9%) and 792.1 of 989 on an H100 SXM (80.1%). A model's
 # shapes are not the best one, so the curves level off below it: at 75% (A100) and 76% (H100), the
-# level at which the A100 preset reproduces published Megatron runs within 15%
-# (tests/plan/test_published.py). Below the plateau the curves follow the shape of cuBLAS's (NVIDIA,
+# level at which the A100 preset reproduces published Megatron runs within 15% (`plan.published_a100`;
+# the one constant fitted to published runs, which `plan.heldout` refits without each source). Below the
+# plateau the curves follow the shape of cuBLAS's (NVIDIA,
 # Matrix Multiplication Background User's Guide, 2023: throughput rises with size until the waves of
 # 128 x 256 output tiles fill the GPU's 108 / 132 SMs); those points are a stated assumption, not a
 # measurement. `paralm calibrate` measures the curve of the device it runs on.

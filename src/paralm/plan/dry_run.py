@@ -10,7 +10,8 @@ gradients (the trainable shards' shapes in their dtype, as FSDP and DDP allocate
 state, counted from the optimizer the trainer builds (ZeRO-1's partition of it) after a step of zero
 gradients at learning rate 0 created its state (Muon's one momentum buffer per matrix, AdamW's moments and
 step count on the rest). Beside them, the planner's `stored_states` for the same layout and pipeline rank:
-`<run.dir>/dry_run.json`.
+`<run.dir>/dry_run.json`. Given a cluster (`paralm train --dry-run N --cluster h100`), the planner's step time
+of this layout there too, with its error band (`paralm.plan.heldout`): under `step_time` in the record.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ from paralm.errors import UserError
 from paralm.models.registry import model_spec
 from paralm.parallel.parallelize import ParallelPlan, parallelize
 from paralm.parallel.runtime import rehearsal_runtime
+from paralm.plan.cluster import Cluster
+from paralm.plan.heldout import banded
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import stored_states
+from paralm.plan.report import seconds
+from paralm.plan.search import Prediction, evaluate
 from paralm.sync.choose import build_sync
 from paralm.sync.zero1 import initialise_state
 from paralm.train.optim.build import build_configured
@@ -95,9 +100,20 @@ def rehearse(config: Config, world_size: int, rank: int) -> dict[str, int]:
         end_fake_process_group()
 
 
-def dry_run(config: Config, world_size: int, log: Callable[[str], None] = print) -> Path:
+def planned_step(config: Config, dims: ParallelDims, cluster: Cluster) -> Prediction:
+    """The planner's price of this layout on `cluster` (sized to the job), with its band."""
+    layout = Layout.of_config(config, dims)
+    work = Workload.from_config(config, layout.micro_batch_size * layout.grad_accum * layout.dp, RECIPE)
+    sized = cluster.with_devices(layout.devices)
+    return banded(evaluate(layout, work, sized), work, sized)
+
+
+def dry_run(
+    config: Config, world_size: int, log: Callable[[str], None] = print, cluster: Cluster | None = None
+) -> Path:
     """Rehearse the first rank of each pipeline stage of a `world_size`-rank job; write and return
-    `<run.dir>/dry_run.json` (rank 0's figures at the top, every rehearsed rank under `ranks`)."""
+    `<run.dir>/dry_run.json` (rank 0's figures at the top, every rehearsed rank under `ranks`; with `cluster`,
+    the planned step time under `step_time`)."""
     if world_size < 1:
         raise UserError(f"--dry-run {world_size}: the job needs at least one rank")
     if config.parallel.auto:
@@ -132,6 +148,19 @@ def dry_run(config: Config, world_size: int, log: Callable[[str], None] = print)
         "tp": dims.tp,
     }
     record["ranks"] = ranks
+    if cluster is not None:
+        plan = planned_step(config, dims, cluster)
+        low, high = plan.band.span(plan.time.total)
+        log(
+            f"dry run: planned step on {cluster.name} {seconds(plan.time.total)} s ± {plan.band.error:.0%} "
+            f"({seconds(low)}-{seconds(high)} s), {plan.tokens_per_s * plan.time.total / high:,.0f}-"
+            f"{plan.tokens_per_s * plan.time.total / low:,.0f} tokens/s, MFU {plan.mfu * plan.time.total / high:.1%}-"
+            f"{plan.mfu * plan.time.total / low:.1%} (band: {plan.band.rows} published runs, {plan.band.basis})"
+        )
+        row = plan.row()
+        record["step_time"] = {"cluster": cluster.name} | {
+            key: row[key] for key in row if key.startswith(("step_time_s", "tokens_per_s", "mfu", "band_"))
+        }
     path = Path(config.run.dir) / "dry_run.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

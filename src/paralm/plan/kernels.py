@@ -85,13 +85,15 @@ def gemm_size(cluster: Cluster, m: float, n: float, k: float) -> float:
     return min(m, n, k) if cluster.gemm_shape == "thin" else (m * n * k) ** (1 / 3)
 
 
-def float8_casts(m: float, n: float, k: float, element_bytes: int, compiled: bool) -> float:
+def float8_casts(m: float, n: float, k: float, element_bytes: int, compiled: bool, weight_share: float = 1.0) -> float:
     """Bytes a float8 linear (torchao, tensorwise dynamic scaling) moves beyond its matmul, forward: its
     input (m x k) and weight (k x n) each read for their absolute maximum, then read again and written
     in one byte; compiled, the maximum fuses into the kernel before. (Backward scales the output's
-    gradient and transposes the casts: about twice this, as the block's other elementwise work.)"""
+    gradient and transposes the casts: about twice this, as the block's other elementwise work.)
+    `weight_share`: the share of forwards that cast the weight (1: every one, as torchao does; 1 / the
+    micro-batches of a step where the FP8 weight is kept for the step's later ones, `Workload.float8_weight_casts`)."""
     passes = element_bytes + 1 + (0 if compiled else element_bytes)
-    return passes * (m * k + k * n)
+    return passes * (m * k + weight_share * k * n)
 
 
 def fused_attention(
@@ -163,11 +165,13 @@ def block_forward(
     compiled: bool = False,
     attention_kernel: str = "flash2",
     ep: int = 1,
+    float8_weight_share: float = 1.0,
 ) -> BlockTimes:
     """With context parallelism (`cp` > 1) a rank holds s / cp positions of each sequence, whose queries
     attend to all s keys (ring or all-to-all alike: the same work, balanced by zig-zag or by heads).
     `float8`: the weight matmuls at the FP8 peak on one-byte operands, plus their casts; `compiled`:
-    elementwise work fused (`COMPILED_KERNELS`). With expert parallelism (`ep` > 1) a rank runs 1/ep of
+    elementwise work fused (`COMPILED_KERNELS`); `float8_weight_share`: the share of forwards that cast the
+    weights (`float8_casts`). With expert parallelism (`ep` > 1) a rank runs 1/ep of
     the experts, each on the tokens routed to it from all ep ranks: the same FLOPs in larger matmuls. MoE
     layers are replicated over TP: each rank routes the gathered tokens, or under SP its own positions."""
     d, s, e = shape.d_model, shape.block_size, element_bytes
@@ -182,7 +186,11 @@ def block_forward(
     widths += [(rows * cols // d, count) for rows, cols, count in shape.layer_whole_matrices]
     linear_dtype, linear_bytes = ("fp8", 1) if float8 else (dtype, e)
     linear = sum(count * matmul(cluster, linear_dtype, tokens, n, d, linear_bytes) for n, count in widths)
-    casts = sum(count * float8_casts(tokens, n, d, e, compiled) for n, count in widths) if float8 else 0.0
+    casts = (
+        sum(count * float8_casts(tokens, n, d, e, compiled, float8_weight_share) for n, count in widths)
+        if float8
+        else 0.0
+    )
     permutation = 0.0
     if shape.moe is not None:  # MoE blocks: each expert multiplies its share of the routed tokens instead
         moe = shape.moe
@@ -191,14 +199,28 @@ def block_forward(
         routed = own * moe.top_k / moe.experts * ep
 
         def ffn(matrices: tuple[tuple[int, int, int], ...], rows_in: float) -> float:
-            return sum(count * matmul(cluster, dtype, rows_in, r * c // d, d, e) for r, c, count in matrices)
+            return sum(
+                count * matmul(cluster, linear_dtype, rows_in, r * c // d, d, linear_bytes) for r, c, count in matrices
+            )
 
+        def ffn_casts(matrices: tuple[tuple[int, int, int], ...], rows_in: float, split: float = 1) -> float:
+            return sum(
+                count * float8_casts(rows_in, r * c // d / split, d, e, compiled, float8_weight_share)
+                for r, c, count in matrices
+            )
+
+        # Under FP8 the experts' matmuls are FP8 too, each casting its routed rows and its weight; the dense
+        # feed-forward's matmuls and casts priced above come out at the price they went in.
         experts = moe.experts / ep * ffn(moe.expert_matrices, routed) + moe.shared * ffn(moe.expert_matrices, own)
-        dense = sum(  # the dense feed-forward `linear` priced above, as it did
+        dense = sum(
             count * matmul(cluster, linear_dtype, tokens, r * c // d / t, d, linear_bytes)
             for r, c, count in moe.dense_ffn_matrices
         )
         linear += moe.layers / shape.n_layer * (experts - dense)
+        if float8:
+            expert_casts = moe.experts / ep * ffn_casts(moe.expert_matrices, routed)
+            expert_casts += moe.shared * ffn_casts(moe.expert_matrices, own)
+            casts += moe.layers / shape.n_layer * (expert_casts - ffn_casts(moe.dense_ffn_matrices, tokens, t))
         passes = PERMUTATION_PASSES + (EXPERT_PARALLEL_PASSES if ep > 1 else 0)
         permutation = moe.layers / shape.n_layer * passes * own * moe.top_k * d * e
     heads = sequences * shape.n_head / t

@@ -59,6 +59,14 @@ class Workload:
     # LoRA (`train.lora_rank`): one block's adapters (split by tp, whole on every tp rank), the only parameters
     # that train (`paralm.convert.lora.block_adapters`); None: every parameter trains
     lora_adapters: tuple[int, int] | None = None
+    # How expert parallelism's dispatch crosses nodes (`paralm.plan.moe`): every routed copy on its own
+    # ("copies", paralm's all-to-all, Megatron-Core's alltoall dispatcher), or each token once per node it
+    # routes to, fanned out to its experts inside the node ("nodes": DeepSeek-V3's, DeepEP's)
+    ep_dispatch: str = "copies"
+    # When FP8 weights are cast (`kernels.float8_casts`): in every forward ("forward", torchao's Float8Linear,
+    # paralm's), or once per optimizer step and kept for its later micro-batches ("step", Transformer Engine's
+    # `is_first_microbatch` weight caching, Megatron's): the weights do not change between micro-batches
+    float8_weight_casts: str = "forward"
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
@@ -234,7 +242,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Rank:
-    """One pipeline rank: its position, its transformer blocks, and whether it embeds or computes the loss."""
+    """One pipeline rank: its position, its transformer blocks (the last rank's multi-token prediction modules
+    among them), and whether it embeds or computes the loss."""
 
     index: int
     layers: int
@@ -250,7 +259,9 @@ def _ranks(p: int, v: int, v_shape: bool, shape: ModelShape, split: tuple[int, .
     ranks = []
     for r in range(p):
         owned = (r, 2 * p - 1 - r) if v_shape else range(r, p * v, p)
-        ranks.append(Rank(r, sum(layers[c] for c in owned), 0 in owned, last in owned))
+        # the last stage runs the multi-token prediction modules too, each priced as a block
+        blocks = sum(layers[c] for c in owned) + (shape.prediction_depth if last in owned else 0)
+        ranks.append(Rank(r, blocks, 0 in owned, last in owned))
     return tuple(ranks)
 
 

@@ -3,6 +3,8 @@ parameters, the optimizer state slots per parameter, the Newton-Schulz FLOPs of 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from paralm.models.shape import ModelShape
 
 
@@ -12,9 +14,12 @@ def muon_matrices(shape: ModelShape) -> tuple[tuple[int, int, int], ...]:
     moe = shape.moe
     if moe is None:
         return tuple(dense)
-    replaced = {(r, c): k * moe.layers for r, c, k in moe.dense_ffn_matrices}
-    dense = [(r, c, k - replaced.get((r, c), 0)) for r, c, k in dense]
-    experts = [(r, c, k * (moe.experts + moe.shared) * moe.layers) for r, c, k in moe.expert_matrices]
+    replaced = Counter({(r, c): k * moe.layers for r, c, k in moe.dense_ffn_matrices})
+    for i, (r, c, k) in enumerate(dense):  # once each, where attention has a matrix of the same shape
+        taken = min(k, replaced[r, c])
+        dense[i], replaced[r, c] = (r, c, k - taken), replaced[r, c] - taken
+    experts = [(r, c, k * moe.experts * moe.layers) for r, c, k in moe.expert_matrices]
+    experts += [(r, c, k * moe.layers) for r, c, k in moe.shared_matrices]
     router = (moe.router_params // shape.d_model, shape.d_model, moe.layers)
     return tuple(m for m in (*dense, *experts, router) if m[2] > 0)
 

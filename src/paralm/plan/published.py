@@ -39,11 +39,15 @@ DEEPSEEK_V3_FIELDS = dict(
     moe_experts=256,
     moe_top_k=8,
     moe_first_dense=3,
-    moe_shared_expert=True,
+    moe_shared_experts=1,
     moe_score="sigmoid",
     moe_groups=8,
     moe_topk_groups=4,
 )
+# Megatron passes Transformer Engine `is_first_microbatch`, which casts the FP8 weights (and their transposes)
+# on a step's first micro-batch and keeps them for the rest (TE's Linear docs: "caching of FP8 versions of
+# the weights"), where torchao casts them in every forward.
+TE_FP8 = "FP8 weights cast on a step's first micro-batch only (Transformer Engine's weight caching)"
 MEGATRON = "distributed optimizer as ZeRO-1; sequence parallel on; fused kernels as compiled, attention as cuDNN's"
 
 # torchtitan's hosts: Grand Teton, H100 with 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s per GPU. Their note
@@ -58,12 +62,28 @@ TITAN = "peak midway between SXM and NVL (torchtitan: between, unknown); bf16 co
 SAC = "torchtitan's per-op selective AC priced as paralm's (every second block recomputed)"
 
 
+# The publication each source string starts with: a row's group for the held-out validation
+# (`paralm.plan.heldout`), where a source's rows are priced by a planner fitted without them.
+ORIGINS = {
+    "pytorch/torchtitan": "torchtitan",
+    "NVIDIA-NeMo/Megatron-Bridge": "Megatron-Bridge",
+    "Meta, The Llama 3 Herd": "Llama 3 paper",
+    "Narayanan et al. 2021": "Megatron-LM 2021",
+    "Smith et al. 2022": "MT-NLG",
+    "Korthikanti et al. 2022": "Megatron-LM 2022",
+    "BigScience": "BLOOM",
+}
+
+
 @dataclass(frozen=True)
 class PublishedRun:
     name: str
     source: str
-    published: float  # tokens/s per GPU ("tokens"), or MFU ("mfu")
-    model: tuple[str, int, int, int, int | None, int]  # family, layers, d_model, heads, kv heads (None: none), ffn
+    # tokens/s per GPU ("tokens"), MFU ("mfu"), or TFLOP/s per GPU counting the recomputed forward ("tflops",
+    # Megatron's accounting: `paralm.plan.published_a100`)
+    published: float
+    # family, layers, d_model, heads, kv heads, ffn width (None: the family's own)
+    model: tuple[str, int, int, int, int | None, int | None]
     seq: int
     gpus: int
     layout: dict[str, object]  # Layout fields the run states (or that the row assumes, see `assumed`)
@@ -74,9 +94,21 @@ class PublishedRun:
     compiled: bool = False
     recipe: str = "fp32-master"
     attention_kernel: str = "flash2"
-    cluster: dict[str, float] = field(default_factory=dict)  # replaced fields of the h100 preset
+    cluster: dict[str, float] = field(default_factory=dict)  # replaced fields of the `hardware` preset
     vocab: int = 128256
     model_fields: dict[str, object] = field(default_factory=dict)  # other `model.` fields (MoE, head width)
+    hardware: str = "h100"  # the cluster preset of its GPUs: its hardware class
+    ep_dispatch: str = "copies"  # how its expert all-to-all crosses nodes (`Workload.ep_dispatch`)
+    float8_weight_casts: str = "forward"  # when its FP8 weights are cast (`Workload.float8_weight_casts`)
+
+    @property
+    def moe(self) -> bool:
+        return "moe_experts" in self.model_fields
+
+    @property
+    def origin(self) -> str:
+        """The publication the row comes from (`ORIGINS`)."""
+        return next(name for prefix, name in ORIGINS.items() if self.source.startswith(prefix))
 
 
 def _titan_8b(name: str, table: str, gpus: int, value: float, **flags: bool) -> PublishedRun:
@@ -180,10 +212,11 @@ RUNS: tuple[PublishedRun, ...] = (
         dict(dp_shard=8, zero=3, micro_batch_size=1, grad_accum=16),
         128,
         "no activation recompute; Transformer Engine's fused kernels priced as compiled, its attention as "
-        "cuDNN's; Megatron's fp32 gradients and master weights",
+        "cuDNN's; Megatron's fp32 gradients and master weights; " + TE_FP8,
         recipe="fp32-grads",
         compiled=True,
         float8=True,
+        float8_weight_casts="step",
         attention_kernel="cudnn",
     ),
     PublishedRun(
@@ -206,10 +239,11 @@ RUNS: tuple[PublishedRun, ...] = (
         ),
         128,
         "no activation recompute; distributed optimizer as ZeRO-1; sequence parallel on; fused kernels "
-        "priced as compiled, attention as cuDNN's",
+        "priced as compiled, attention as cuDNN's; " + TE_FP8,
         recipe="fp32-grads",
         compiled=True,
         float8=True,
+        float8_weight_casts="step",
         attention_kernel="cudnn",
     ),
     PublishedRun(
@@ -282,10 +316,11 @@ RUNS: tuple[PublishedRun, ...] = (
         512,
         "tokens spread evenly over the experts (the source forces the balance, dropless); token permutation as "
         "paralm's; no activation recompute; distributed optimizer as ZeRO-1; fused kernels priced as compiled, "
-        "attention as cuDNN's",
+        "attention as cuDNN's; " + TE_FP8,
         recipe="fp32-grads",
         compiled=True,
         float8=True,
+        float8_weight_casts="step",
         attention_kernel="cudnn",
         vocab=151936,
         model_fields=QWEN3_MOE,
@@ -310,10 +345,11 @@ RUNS: tuple[PublishedRun, ...] = (
             micro_batch_size=64,
         ),
         512,
-        f"no activation recompute; {MEGATRON}; context parallelism as a ring (Megatron's p2p default)",
+        f"no activation recompute; {MEGATRON}; context parallelism as a ring (Megatron's p2p default); " + TE_FP8,
         recipe="fp32-grads",
         compiled=True,
         float8=True,
+        float8_weight_casts="step",
         attention_kernel="cudnn",
     ),
     PublishedRun(
@@ -337,13 +373,16 @@ RUNS: tuple[PublishedRun, ...] = (
         ),
         8192,
         "FP8 (the table names no precision; its note gives H100's FP8 block scaling); tokens spread evenly over "
-        f"the experts (the source forces the balance); no activation recompute; {MEGATRON}; every routed copy "
-        "sent on its own (no deduplication per node)",
+        f"the experts (the source forces the balance); no activation recompute; {MEGATRON}; DeepEP's dispatch, "
+        "each token sent once to every node it routes to, within its 4 of 8 groups (the 25.09 script enables it on "
+        "H100: NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py @ f37f883a8c53); " + TE_FP8,
         recipe="fp32-grads",
         compiled=True,
         float8=True,
+        float8_weight_casts="step",
         attention_kernel="cudnn",
         vocab=129280,
         model_fields=DEEPSEEK_V3_FIELDS,
+        ep_dispatch="nodes",
     ),
 )

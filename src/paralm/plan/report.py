@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from paralm.plan.cluster import Cluster, GiB
-from paralm.plan.layout import Workload
+from paralm.plan.layout import Layout, Workload
 from paralm.plan.search import Prediction
 
 Column = tuple[str, Callable[[Prediction], str]]  # header, formatted value
@@ -54,10 +54,24 @@ TIME_COLUMNS: list[Column] = [
         ),
     ),
     ("optim", lambda p: seconds(p.time.optimizer_s)),
-    ("step s", lambda p: seconds(p.time.total)),
+    ("step s", lambda p: seconds(p.time.total) + (f" ± {p.band.error:.0%}" if p.band else "")),
     ("tokens/s", lambda p: f"{p.tokens_per_s:,.0f}"),
     ("MFU", lambda p: f"{p.mfu:.1%}"),
 ]
+
+
+def layout_text(lay: Layout) -> str:
+    """A layout in one line: its degrees, schedule, micro-batch and checkpointing."""
+    text = f"dp {lay.dp_replicate}x{lay.dp_shard} zero {lay.zero} tp {lay.tp}{'+sp' if lay.sequence_parallel else ''}"
+    text += f" pp {lay.pp}"
+    if lay.pp > 1:
+        virtual = f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else ""
+        text += f" {lay.pp_schedule}{virtual} m{lay.pp_microbatches}"
+    if lay.cp > 1:
+        text += f" cp {lay.cp} {lay.cp_method}"
+    if lay.ep > 1:
+        text += f" ep {lay.ep}"
+    return text + f" mbs {lay.micro_batch_size} ckpt {lay.activation_checkpointing}"
 
 
 def _schedule(plan: Prediction) -> str:
@@ -77,10 +91,33 @@ def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+MEASURED_COLUMNS: list[Column] = [
+    ("measured mb s", lambda p: seconds(p.measured_compute_s)),
+    ("step s measured", lambda p: seconds(p.measured_step_s)),
+]
+
+
 def plans_table(plans: Sequence[Prediction]) -> str:
-    columns = LAYOUT_COLUMNS + MEMORY_COLUMNS + TIME_COLUMNS
+    """One row per plan; with `--measure` (every plan measured) the measured compute per pipeline micro-batch
+    and the step priced with it."""
+    measured = MEASURED_COLUMNS if plans and all(p.measured_compute_s is not None for p in plans) else []
+    columns = LAYOUT_COLUMNS + MEMORY_COLUMNS + TIME_COLUMNS + measured
     rows = [[str(i + 1)] + [value(p) for _, value in columns] for i, p in enumerate(plans)]
     return table(rows, ["#"] + [h for h, _ in columns])
+
+
+def band_line(plan: Prediction) -> str:
+    """The best plan's step time with its band, and the tokens/s and MFU ranges that follow; which runs set it."""
+    band, t = plan.band, plan.time.total
+    if band is None:
+        return ""
+    low, high = band.span(t)
+    return (
+        f"best: step {seconds(t)} s ± {band.error:.0%} ({seconds(low)}-{seconds(high)} s), "
+        f"{plan.tokens_per_s * t / high:,.0f}-{plan.tokens_per_s * t / low:,.0f} tokens/s, "
+        f"MFU {plan.mfu * t / high:.1%}-{plan.mfu * t / low:.1%}; ± is the held-out error (rms) of the "
+        f"{band.rows} published runs most like it ({band.basis}): paralm plan --validate"
+    )
 
 
 def summary(work: Workload, cluster: Cluster, recipe: str, overlap: bool) -> str:

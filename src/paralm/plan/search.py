@@ -38,6 +38,19 @@ AC_BY_COST = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
+class Band:
+    """How far off a prediction may be: the relative `error` (held-out, `paralm.plan.heldout.band`) of the
+    `rows` published runs of set `basis`."""
+
+    error: float
+    rows: int
+    basis: str
+
+    def span(self, value: float) -> tuple[float, float]:
+        return value * (1 - self.error), value * (1 + self.error)
+
+
+@dataclass(frozen=True)
 class Prediction:
     layout: Layout
     memory: Memory
@@ -45,14 +58,42 @@ class Prediction:
     tokens_per_s: float
     mfu: float
     cp_bytes: float = 0.0  # bytes a rank sends per block for context parallelism (ring or all-to-all)
+    band: Band | None = None  # set by the verbs that print predictions (`paralm.plan.heldout.banded`)
+    # seconds per pipeline micro-batch of the busiest rank's forward and backward, timed (`paralm.plan.measure`)
+    measured_compute_s: float | None = None
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """The step priced with the measured compute in place of the roofline's compute and recompute (it
+        holds both: checkpointed blocks ran their forward again); communication, bubble and optimizer as priced."""
+        if self.measured_compute_s is None:
+            return None
+        t, lay = self.time, self.layout
+        return t.total - t.compute_s - t.recompute_s + lay.grad_accum * lay.pp_microbatches * self.measured_compute_s
 
     def row(self) -> dict[str, Any]:
-        """The JSON object of one plan: the layout, memory per term, step time per term, throughput."""
+        """The JSON object of one plan: the layout, memory per term, step time per term, throughput, and with a
+        band the step time's range (tokens/s and MFU follow from it)."""
         lay, mem, t = self.layout, self.memory, self.time
         row: dict[str, Any] = {"devices": lay.devices, **vars(lay), "pp_split": list(lay.pp_split), **vars(mem)}
         row["mem_bytes_per_device"] = mem.total
         row.update(vars(t))
         row.update(step_time_s=t.total, tokens_per_s=self.tokens_per_s, mfu=self.mfu, cp_bytes_per_block=self.cp_bytes)
+        if self.band:
+            low, high = self.band.span(t.total)
+            row.update(
+                step_time_s_low=low,
+                step_time_s_high=high,
+                tokens_per_s_low=self.tokens_per_s * t.total / high,
+                tokens_per_s_high=self.tokens_per_s * t.total / low,
+                mfu_low=self.mfu * t.total / high,
+                mfu_high=self.mfu * t.total / low,
+                band_error=self.band.error,
+                band_rows=self.band.rows,
+                band_basis=self.band.basis,
+            )
+        if self.measured_compute_s is not None:
+            row.update(measured_compute_s=self.measured_compute_s, step_time_s_measured=self.measured_step_s)
         return row
 
 

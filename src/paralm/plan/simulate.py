@@ -13,7 +13,8 @@ from typing import Any
 from paralm.config.schema import Config
 from paralm.errors import UserError
 from paralm.plan.cluster import Cluster, GiB
-from paralm.plan.report import seconds, table
+from paralm.plan.heldout import banded
+from paralm.plan.report import layout_text, seconds, table
 from paralm.plan.search import Prediction, global_batch, search
 
 
@@ -44,10 +45,9 @@ def simulate(
     for n in sizes:
         batch = base if scaling == "strong" else base * n // sizes[0]
         try:
-            _, plans = search(
-                config, cluster.with_devices(n), fixed, recipe=recipe, overlap=overlap, global_batch_size=batch
-            )
-            points.append(Point(n, batch, plans[0]))
+            sized = cluster.with_devices(n)
+            work, plans = search(config, sized, fixed, recipe=recipe, overlap=overlap, global_batch_size=batch)
+            points.append(Point(n, batch, banded(plans[0], work, sized)))
         except UserError as e:
             points.append(Point(n, batch, None, str(e)))
     return points
@@ -63,21 +63,14 @@ def scaling_table(points: Sequence[Point]) -> str:
             rows.append([str(p.devices), str(p.global_batch), "(none, see below)", *["-"] * 5])
             notes.append(f"{p.devices} devices: {p.reason}")
             continue
-        lay = p.plan.layout
-        layout = f"dp {lay.dp_replicate}x{lay.dp_shard} zero {lay.zero} tp {lay.tp} pp {lay.pp}"
-        if lay.pp > 1:
-            layout += f" {lay.pp_schedule} m{lay.pp_microbatches}"
-        if lay.cp > 1:
-            layout += f" cp {lay.cp} {lay.cp_method}"
-        layout += f" mbs {lay.micro_batch_size} ckpt {lay.activation_checkpointing}"
         efficiency = (p.plan.tokens_per_s / p.devices) / (first.plan.tokens_per_s / first.devices)
         rows.append(
             [
                 str(p.devices),
                 str(p.global_batch),
-                layout,
+                layout_text(p.plan.layout),
                 f"{p.plan.memory.total / GiB:.1f}",
-                seconds(p.plan.time.total),
+                seconds(p.plan.time.total) + (f" ± {p.plan.band.error:.0%}" if p.plan.band else ""),
                 f"{p.plan.tokens_per_s:,.0f}",
                 f"{p.plan.mfu:.1%}",
                 f"{efficiency:.0%}",

@@ -97,8 +97,10 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         compiled=work.compiled,
         attention_kernel=work.attention_kernel,
         ep=layout.ep,
+        float8_weight_share=_float8_weight_share(layout, work),
     )
     head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e, c) if rank.has_head else 0.0
+    head *= 1 + shape.prediction_depth  # multi-token prediction's modules pass through the head again
     recomputed = layout.checkpointed_blocks(rank.layers)
     activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * e
     cp_f, cp_b = context_parallel_times(layout, work, cluster, block.attention)
@@ -118,6 +120,12 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         cp_f=rank.layers * cp_f,
         cp_b=rank.layers * cp_b + recomputed * cp_f,
     )
+
+
+def _float8_weight_share(layout: Layout, work: Workload) -> float:
+    """The share of a rank's forwards that cast its FP8 weights: all, or with weights kept over a step
+    (`Workload.float8_weight_casts = "step"`) the first of each chunk's micro-batches in the step."""
+    return 1 / (layout.pp_microbatches * layout.grad_accum) if work.float8_weight_casts == "step" else 1.0
 
 
 def _weight_cast(layout: Layout, work: Workload, cluster: Cluster, params: float) -> float:

@@ -1,10 +1,13 @@
-"""`paralm plan --validate`: the planner against the published runs it ships (`paralm.plan.published`).
+"""`paralm plan --validate`: the planner against the published runs it ships (`paralm.plan.published`, H100s;
+`paralm.plan.published_a100`).
 
-Each run is priced as published: its model, its layout and batch, its hardware (the h100 preset, or
-another cluster of H100s given with `--cluster`, with what the source states about its machines);
-nothing is searched or fitted. The error of a row is
-|predicted / published - 1|; the last line sums them up for scripts: `published runs: N, mean error X%,
-worst Y%`.
+Each run is priced as published: its model, its layout and batch, its hardware (its preset, `h100` or
+`a100-80gb`, or for the rows of the chip it describes another cluster given with `--cluster`, with what the
+source states about its machines); nothing is searched. The error of a row is |predicted / published - 1|.
+In-sample is the planner as shipped; held out (`paralm.plan.heldout`) prices each source with the one
+constant fitted to these rows, the level of the matmul efficiency curves, refitted without that source. The
+last two lines sum them up for scripts: `published runs: N, mean error X%, worst Y%` and `held out: mean
+X%, worst Y%`.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from paralm.config.schema import Config
 from paralm.errors import UserError
-from paralm.hardware import GPU_PEAK_FLOPS
-from paralm.plan.cluster import Cluster, parse_cluster
+from paralm.plan.cluster import PRESETS, Cluster, parse_cluster
 from paralm.plan.layout import Layout, Workload
-from paralm.plan.published import RUNS, PublishedRun
+from paralm.plan.published import RUNS as H100_RUNS
+from paralm.plan.published import PublishedRun
+from paralm.plan.published_a100 import A100_RUNS
 from paralm.plan.report import table
 from paralm.plan.request import load_request
-from paralm.plan.search import evaluate
+from paralm.plan.search import Prediction, evaluate
 
 # A layout's fields where a published run (or a planner test) leaves them unsaid: one device, no parallelism.
 LAYOUT_DEFAULTS: dict[str, object] = dict(
@@ -39,18 +44,22 @@ LAYOUT_DEFAULTS: dict[str, object] = dict(
 )
 
 
+RUNS: tuple[PublishedRun, ...] = H100_RUNS + A100_RUNS
+
+
 @dataclass(frozen=True)
 class Priced:
     run: PublishedRun
     predicted: float
+    scale: float = 1.0  # the matmul efficiency scale it was priced with (held out: fitted without its source)
 
     @property
     def error(self) -> float:
         return abs(self.predicted / self.run.published - 1)
 
 
-def workload(run: PublishedRun) -> Workload:
-    """The run's model, batch and kernels as the planner prices them."""
+def run_config(run: PublishedRun, extra: tuple[str, ...] = ()) -> Config:
+    """The run's model as a config (`extra`: further overrides)."""
     family, layers, d, heads, kv, ffn = run.model
     overrides = [
         f"--model.family={family}",
@@ -58,34 +67,50 @@ def workload(run: PublishedRun) -> Workload:
         f"--model.d_model={d}",
         f"--model.n_head={heads}",
         *([f"--model.n_kv_heads={kv}"] if kv is not None else []),
-        f"--model.ffn_hidden={ffn}",
+        *([f"--model.ffn_hidden={ffn}"] if ffn is not None else []),
         f"--model.vocab_size={run.vocab}",
         f"--model.block_size={run.seq}",
         "--precision.dtype=bf16",
         *(f"--model.{key}={value}" for key, value in run.model_fields.items()),
+        *extra,
     ]
-    config, _ = load_request(None, overrides)
+    return load_request(None, overrides)[0]
+
+
+def workload(run: PublishedRun) -> Workload:
+    """The run's model, batch and kernels as the planner prices them."""
     return dataclasses.replace(
-        Workload.from_config(config, run.global_batch, run.recipe),
+        Workload.from_config(run_config(run), run.global_batch, run.recipe),
         float8=run.float8,
         compiled=run.compiled,
         attention_kernel=run.attention_kernel,
+        ep_dispatch=run.ep_dispatch,
+        float8_weight_casts=run.float8_weight_casts,
     )
 
 
-# Every published run ran on H100s: a cluster prices them only if its device is one (dense bf16 peak).
-H100_BF16_PEAK = GPU_PEAK_FLOPS["H100"]["bf16"]
+HARDWARE = tuple(sorted({run.hardware for run in RUNS}))  # the presets the rows ran on, one per chip
 
 
-def base_cluster(spec: str) -> Cluster:
-    """The cluster the runs are priced on: a preset or a TOML file (`--cluster`) that describes an H100."""
-    cluster = parse_cluster(spec)
-    if cluster.peak("bf16") != H100_BF16_PEAK:
+def hardware_class(cluster: Cluster) -> str | None:
+    """The published rows' hardware (a preset name) whose chip `cluster` has (the same dense bf16 peak), if any."""
+    peak = cluster.peak_flops.get("bf16")
+    return next((hw for hw in HARDWARE if PRESETS[hw].peak_flops["bf16"] == peak), None)
+
+
+@functools.cache
+def bases(spec: str) -> dict[str, Cluster]:
+    """The cluster each hardware class is priced on: its preset, or for the class whose chip `spec` (a preset or
+    TOML file, `--cluster`) has, that cluster."""
+    given = parse_cluster(spec)
+    matched = hardware_class(given)
+    if matched is None:
+        chips = ", ".join(f"{hw} ({PRESETS[hw].peak_flops['bf16']:.3g} FLOP/s)" for hw in HARDWARE)
         raise UserError(
-            f"--cluster {spec}: the published runs ran on H100s; give a cluster whose bf16 peak is the H100's "
-            f"({H100_BF16_PEAK:.3g} FLOP/s), not {cluster.peak('bf16'):.3g}"
+            f"--cluster {spec}: the published runs ran on {chips}; give a cluster with one of those bf16 peaks, "
+            f"not {given.peak_flops.get('bf16', 0):.3g}"
         )
-    return cluster
+    return {hw: given if hw == matched else PRESETS[hw] for hw in HARDWARE}
 
 
 def hardware(run: PublishedRun, base: Cluster) -> Cluster:
@@ -93,50 +118,130 @@ def hardware(run: PublishedRun, base: Cluster) -> Cluster:
     return dataclasses.replace(base.with_devices(run.gpus), **run.cluster)
 
 
+def scaled(cluster: Cluster, scale: float) -> Cluster:
+    """`cluster` with every matmul efficiency curve multiplied by `scale` (capped at the peak)."""
+    if scale == 1:
+        return cluster
+
+    def curve(points: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        return tuple((size, min(1.0, eff * scale)) for size, eff in points)
+
+    per_dtype = {dtype: curve(points) for dtype, points in cluster.dtype_gemm_efficiency.items()}
+    return dataclasses.replace(cluster, gemm_efficiency=curve(cluster.gemm_efficiency), dtype_gemm_efficiency=per_dtype)
+
+
 def layout(run: PublishedRun) -> Layout:
     return Layout(**(LAYOUT_DEFAULTS | run.layout))
 
 
+def megatron_flops_per_token(run: PublishedRun) -> float:
+    """FLOPs per token as Megatron counts them, the recomputed forward included (Narayanan et al. 2021, eq. 3)."""
+    _, layers, h, _, _, _ = run.model
+    return 96 * layers * h * h * (1 + run.seq / (6 * h) + run.vocab / (16 * layers * h))
+
+
 def predict(run: PublishedRun, base: Cluster) -> float:
-    """The run's tokens/s per GPU (or MFU) as the planner prices its stated layout and hardware."""
-    plan = evaluate(layout(run), workload(run), hardware(run, base))
-    return plan.mfu if run.metric == "mfu" else plan.tokens_per_s / run.gpus
+    """The run's tokens/s per GPU (MFU, or Megatron's TFLOP/s per GPU) as the planner prices its stated layout
+    and hardware."""
+    return metric(run, evaluate(layout(run), workload(run), hardware(run, base)))
+
+
+def metric(run: PublishedRun, plan: Prediction) -> float:
+    """`plan`'s speed in the figure `run` publishes."""
+    if run.metric == "mfu":
+        return plan.mfu
+    per_gpu = plan.tokens_per_s / run.gpus
+    return per_gpu * megatron_flops_per_token(run) / 1e12 if run.metric == "tflops" else per_gpu
+
+
+def priced(index: int, spec: str = "h100", scale: float = 1.0) -> Priced:
+    """`RUNS[index]` priced on its hardware's cluster (`bases`), its matmul efficiency scaled by `scale`."""
+    return Priced(RUNS[index], _prediction(index, spec, scale), scale)
 
 
 @functools.cache
+def _prediction(index: int, spec: str, scale: float) -> float:
+    run = RUNS[index]
+    return predict(run, scaled(bases(spec)[run.hardware], scale))
+
+
 def validation(cluster: str = "h100") -> tuple[Priced, ...]:
-    """Every published run priced on `cluster` (a preset or TOML file describing an H100)."""
-    base = base_cluster(cluster)
-    return tuple(Priced(run, predict(run, base)) for run in RUNS)
+    """Every published run priced as shipped (in-sample), the runs of `cluster`'s chip on `cluster`."""
+    return tuple(priced(i, cluster) for i in range(len(RUNS)))
+
+
+def errors_line(prefix: str, errors: list[float]) -> str:
+    return f"{prefix}mean {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}%"
 
 
 def summary_line(cluster: str = "h100") -> str:
     errors = [p.error for p in validation(cluster)]
-    return (
-        f"published runs: {len(errors)}, mean error {100 * sum(errors) / len(errors):.1f}%, "
-        f"worst {100 * max(errors):.1f}%"
-    )
+    mean, worst = 100 * sum(errors) / len(errors), 100 * max(errors)
+    return f"published runs: {len(errors)}, mean error {mean:.1f}%, worst {worst:.1f}%"
 
 
 def error_line() -> str:
     """The line `paralm plan` and `--parallel.auto` print beside their predictions."""
-    errors = [p.error for p in validation()]
-    return (
-        f"planner error on published runs: mean {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}%"
-    )
+    from paralm.plan.heldout import held_out
+
+    shipped = errors_line("planner error on published runs: ", [p.error for p in validation()])
+    return errors_line(f"{shipped}; held out by source: ", [p.error for p in held_out()])
 
 
 def report(cluster: str = "h100") -> str:
-    """The table of every row (name, predicted, published, error, source, assumptions) and the summary."""
+    """The table of every row (name, predicted in-sample and held out, published, errors), the errors per source
+    with the scale fitted without it, the sources and assumptions, and the two summary lines."""
+    from paralm.plan.heldout import fitted_scale, group, groups, held_out
 
-    def value(run: PublishedRun, x: float) -> str:
-        return f"{100 * x:.1f}% MFU" if run.metric == "mfu" else f"{x:,.0f} tok/s/GPU"
-
+    shipped, held = validation(cluster), held_out(cluster)
     rows = [
-        (p.run.name, value(p.run, p.predicted), value(p.run, p.run.published), f"{100 * p.error:.1f}%")
-        for p in validation(cluster)
+        (p.run.name, value_text(p.run, p.predicted), value_text(p.run, h.predicted), value_text(p.run, p.run.published))
+        + (f"{100 * p.error:.1f}%", f"{100 * h.error:.1f}%")
+        for p, h in zip(shipped, held, strict=True)
     ]
-    notes = [f"  {i}. {p.run.source}; assumed: {p.run.assumed}" for i, p in enumerate(validation(cluster), 1)]
-    headers = ("run", "predicted", "published", "error")
-    priced_on = f"priced on: {base_cluster(cluster).name} ({cluster})"
-    return "\n".join([priced_on, table(rows, headers), "sources and assumptions:", *notes, summary_line(cluster)])
+    headers = ("run", "predicted", "held out", "published", "error", "held-out error")
+    per_source = []
+    for name in groups():
+        members = [i for i in range(len(RUNS)) if group(i) == name]
+        scale = fitted_scale(name, cluster)
+        per_source.append(
+            (name, str(len(members)))
+            + _mean_worst([shipped[i].error for i in members])
+            + _mean_worst([held[i].error for i in members])
+            + (f"{scale:.2f}",)
+        )
+    source_headers = ("source", "runs", "mean", "worst", "held-out mean", "held-out worst", "scale without it")
+    notes = [f"  {i}. {p.run.source}; assumed: {p.run.assumed}" for i, p in enumerate(shipped, 1)]
+    priced_on = ", ".join(f"{hw}: {base.name}" for hw, base in bases(cluster).items())
+    return "\n".join(
+        [
+            f"priced on: {priced_on} ({cluster})",
+            table(rows, headers),
+            "held out: each source priced with the presets' matmul efficiency scaled as fitted on the other sources "
+            f"(paralm.plan.heldout); fitted on every source: {fitted_scale('', cluster):.2f} (in-sample at it: "
+            f"{_refit_mean(cluster):.1f}%), shipped: 1.00",
+            table(per_source, source_headers),
+            "sources and assumptions:",
+            *notes,
+            summary_line(cluster),
+            errors_line("held out: ", [p.error for p in held]),
+        ]
+    )
+
+
+def _refit_mean(cluster: str) -> float:
+    from paralm.plan.heldout import fitted_scale
+
+    scale = fitted_scale("", cluster)
+    return 100 * sum(priced(i, cluster, scale).error for i in range(len(RUNS))) / len(RUNS)
+
+
+def value_text(run: PublishedRun, x: float) -> str:
+    """`x` in the run's figure, with its unit."""
+    if run.metric == "tflops":
+        return f"{x:.0f} TFLOP/s/GPU"
+    return f"{100 * x:.1f}% MFU" if run.metric == "mfu" else f"{x:,.0f} tok/s/GPU"
+
+
+def _mean_worst(errors: list[float]) -> tuple[str, str]:
+    return f"{100 * sum(errors) / len(errors):.1f}%", f"{100 * max(errors):.1f}%"

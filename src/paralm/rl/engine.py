@@ -62,7 +62,7 @@ class RolloutEngine(StepEngine):
         self.layout = rollout_layout(config, self.layout.dp_size)
         self.tokenizer = load_tokenizer(read_meta(data_dir)["tokenizer"], data_dir)
         self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, stop_tokens(self.tokenizer, self.prompts))
-        width = max(len(p.ids) for p in self.prompts) + rl.max_new_tokens  # one shape for every rollout
+        width = self.width = max(len(p.ids) for p in self.prompts) + rl.max_new_tokens  # one shape every rollout
         dtype = config.precision.dtype
         self.sampler: Sampler = Colocated(
             self.plan.model, rl.group_size, width, self.sampling, config.train.seed, dtype
@@ -74,6 +74,11 @@ class RolloutEngine(StepEngine):
         self.hooks.append(self.meter)
         self.current: PolicyBatch | None = None
         self.current_rollout = -1
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The tokens an update runs forward and backward (its rows' tokens/s and MFU leave the rollout's out)."""
+        return self.layout.global_batch * (self.width - 1)
 
     def prompts_of(self, rollout: int) -> list[tuple[int, Prompt]]:
         """The global batch's prompts of rollout `rollout` with their places in it: a slice of the epoch's shuffle."""

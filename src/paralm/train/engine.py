@@ -9,6 +9,7 @@ parallelized, and the calls on them.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from paralm.convert.masks import Masks
 from paralm.data.mixture import MixedData
 from paralm.data.prepare import data_sources, dataset_dir
 from paralm.data.sampler import BatchLayout
+from paralm.models.mtp import PredictionHook, mtp_weight
 from paralm.models.registry import model_shape, model_spec
 from paralm.models.step import StepBatch
 from paralm.parallel.parallelize import parallelize
@@ -68,6 +70,9 @@ class StepEngine:
             check_adapters(self.resume_from, config.train.lora_rank)
         self.masks = Masks(self.plan.model, pruned) if pruned else None
         self.hooks = after_step_hooks(self.plan.model, self.runtime.dp_group, self.masks)
+        if getattr(config.model, "mtp_depth", 0):  # multi-token prediction: its weight per step, `mtp_loss` in rows
+            weight = partial(mtp_weight, first=t.mtp_weight, after=t.mtp_weight_after, switch=t.mtp_weight_step)
+            self.hooks.append(PredictionHook(self.plan.model, weight))
         # fp16's loss scale multiplies the loss before backward; the optimizer step unscales (the trainer's)
         self.scaler = LossScaler(config.precision.dtype, self.device, self.plan.scaler_group)
 
@@ -75,6 +80,11 @@ class StepEngine:
     def group_batch(self) -> int:
         """The samples this job computes per step: the global batch, less the other replica groups' shares."""
         return self.layout.global_batch // self.config.sync.replica_groups
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The tokens each step trains on, which the rows' tokens/s and MFU count: the job's samples, whole."""
+        return self.group_batch * self.config.model.block_size
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Stateful:
         """Model, optimizer and strategy state as checkpoints save and load it, with the pruning masks where

@@ -35,6 +35,7 @@ class _Pending:
     step: int
     values: torch.Tensor  # this rank's: sums, then maxima
     host: dict[str, Any]  # the same on every rank: lr, samples seen, loss scale
+    predicting: bool = False  # the sums hold multi-token prediction's loss after SUMS
 
 
 @dataclass
@@ -55,13 +56,13 @@ class StepMetrics:
     ON_DEVICE = ("loss", "grad_norm", "skipped")
 
     @classmethod
-    def of_run(cls, config: Config, runtime: Runtime, flops_per_token: float, group_batch: int) -> StepMetrics:
+    def of_run(cls, config: Config, runtime: Runtime, flops_per_token: float, tokens_per_step: int) -> StepMetrics:
         """The metrics of a training run: its throughput against the device's peak, its rows' contents."""
         peak_flops = device_peak_flops(runtime.device, config.precision.dtype)
         return cls(
             runtime,
             Throughput(flops_per_token, peak_flops, runtime.world_size),
-            tokens_per_step=group_batch * config.model.block_size,
+            tokens_per_step=tokens_per_step,
             loss_divisor=runtime.dims.loss_replicas,  # each loss is held by the tp ranks of the last stage
             every=config.log.every if runtime.device.type == "cuda" else 1,  # on CPUs reading back costs nothing
             comm_bytes=config.log.comm_bytes,
@@ -84,11 +85,12 @@ class StepMetrics:
         step cannot be skipped that way). `values`: the step hooks' figures and the loop's, by name: the
         `MAXIMA` counters (host integers: memory, own time; peak memory is taken here), `comm_bytes` (the
         step's bytes sent, summed over ranks, when counted), `moe` (the step's routing statistics, on the
-        device, summed over ranks: `paralm.models.moe.take_statistics`); any other name is a host value the
+        device, summed over ranks: `paralm.models.moe.take_statistics`), `mtp_loss` (multi-token prediction's,
+        on the device, summed over ranks as the loss: `paralm.models.mtp`); any other name is a host value the
         row carries as it is (lr, samples seen, loss scale)."""
         counted = set(self.SUMS + self.MAXIMA)
         counters = {k: v for k, v in values.items() if k in counted}
-        host = {k: v for k, v in values.items() if k not in counted and k != "moe"}
+        host = {k: v for k, v in values.items() if k not in counted and k not in ("moe", "mtp_loss")}
         counters["peak_mem_bytes"] = peak_memory_bytes(self.runtime.device)
         on_host = torch.tensor(
             [counters.get("comm_bytes", 0), *(counters[k] for k in self.MAXIMA if k not in self.ON_DEVICE)],
@@ -100,8 +102,10 @@ class StepMetrics:
         flag = torch.zeros((), dtype=torch.float64, device=loss.device) if skipped is None else skipped.double()
         device = torch.stack([loss.detach().double(), grad_norm.detach().double(), flag])
         routing = [values["moe"].double()] if "moe" in values else []
-        row = torch.cat([device[:1], on_host[:1], *routing, device[1:], on_host[1:]])  # SUMS, moe, MAXIMA
-        self._pending.append(_Pending(step, row, host))
+        if "mtp_loss" in values:
+            routing.insert(0, values["mtp_loss"].to(loss.device, torch.float64).view(1))
+        row = torch.cat([device[:1], on_host[:1], *routing, device[1:], on_host[1:]])  # SUMS, mtp, moe, MAXIMA
+        self._pending.append(_Pending(step, row, host, "mtp_loss" in values))
 
     def due(self, steps_done: int) -> bool:
         return steps_done % self.every == 0
@@ -117,6 +121,7 @@ class StepMetrics:
         rows = []
         for pending, values in zip(self._pending, reduced, strict=True):
             routing = values[len(self.SUMS) : sums]
+            ahead = {"mtp_loss": routing.pop(0) / self.loss_divisor} if pending.predicting else {}
             values = values[: len(self.SUMS)] + values[sums:]
             named = dict(zip(self.SUMS + self.MAXIMA, values, strict=True))
             loss, grad_norm, comm_bytes, skipped = (
@@ -137,6 +142,7 @@ class StepMetrics:
                     **own,
                     **{k: int(v) for k, v in named.items()},
                     **host,
+                    **ahead,
                     **({"comm_bytes": int(comm_bytes)} if self.comm_bytes else {}),
                     **(
                         balance_figures(routing, self.loss_divisor, self.moe_experts, self.runtime.dims.tp)

@@ -50,7 +50,7 @@ class Trainer:
         self.bad = BadSteps(config, runtime, engine.sync)
         self.checkpoints = LoopCheckpoints(config, runtime, engine, self.optimizer)
         self.step, self.samples_seen = self.checkpoints.restore()
-        self.metrics = StepMetrics.of_run(config, runtime, engine.shape.flops_per_token, engine.group_batch)
+        self.metrics = StepMetrics.of_run(config, runtime, engine.shape.flops_per_token, engine.tokens_per_step)
         # the step's hooks: the observer, the memory meter, the converters' (MoE balance, pruning masks), what
         # torch compiled, and last the byte counter, which counts the collectives of those before it
         compiled = [CompileCounts()] if config.train.compile != "off" else []

@@ -2,8 +2,9 @@
 tensors that rank's shards cover (`paralm.train.checkpoint.hf_reads`), and they are the weights `paralm import`
 reads: Mixtral's and DeepSeek's experts one expert at a time (a rank of ep 2 opens its experts' tensors only),
 the rest split by ZeRO-3; GPT-2's q, k and v from the fused, transposed `c_attn` under TP; DeepSeek's
-interleaved RoPE rows with a ZeRO-3 shard boundary inside a head's RoPE rows; transformers' stacked expert
-layout. Bytes are counted as safetensors hands tensors out (`get_tensor`, `get_slice`), whatever path reads them.
+interleaved RoPE rows with a ZeRO-3 shard boundary inside a head's RoPE rows, DeepSeek-V2's and Moonlight's two
+shared experts (one MLP twice an expert's width) split by ZeRO-3; transformers' stacked expert layout. Bytes are
+counted as safetensors hands tensors out (`get_tensor`, `get_slice`), whatever path reads them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ FOLDERS = {  # name: (class, config class, fields)
     ),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=32, n_head=4, n_layer=2, n_positions=32)),
 }
+# DeepSeek-V2's routing (2 shared experts, groups by their best score, no renormalisation; 4 heads, as its config
+# wants them to divide hidden_size) and Moonlight's shape
+V2_ROUTING = dict(n_shared_experts=2, topk_method="group_limited_greedy", n_group=2, topk_group=1, norm_topk_prob=False)
+V2_ROUTING |= dict(num_attention_heads=4, num_key_value_heads=4)
+FOLDERS["deepseek_v2"] = ("DeepseekV2ForCausalLM", "DeepseekV2Config", FOLDERS["deepseek"][2] | V2_ROUTING)
+FOLDERS["moonlight"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config", FOLDERS["deepseek"][2] | {"n_shared_experts": 2})
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 SHAPE |= dict(num_key_value_heads=2, max_position_embeddings=32)
 
@@ -85,7 +92,7 @@ def _assert_weights(loaded: dict[str, torch.Tensor], folder: Path) -> None:
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "deepseek", "mixtral-stacked"])
+@pytest.mark.parametrize("name", ["gpt2", "deepseek", "deepseek_v2", "moonlight", "mixtral-stacked"])
 def test_one_process_reads_what_import_reads(tmp_path, name):
     """GPT-2's fused c_attn, DeepSeek's RoPE rows and the stacked expert layout (`gate_up_proj`) map as import maps."""
     folder = _save(tmp_path / "hf", name.removesuffix("-stacked"))
@@ -161,8 +168,14 @@ def _load_on_rank(folder: str, overrides: list[str]) -> tuple[dict[str, int], di
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, parallel",
-    [("mixtral", {"ep": 2, "zero": 3}), ("deepseek", {"ep": 2, "zero": 3}), ("gpt2", {"tp": 2})],
-    ids=["mixtral-ep2-zero3", "deepseek-ep2-zero3", "gpt2-tp2"],
+    [
+        ("mixtral", {"ep": 2, "zero": 3}),
+        ("deepseek", {"ep": 2, "zero": 3}),
+        ("deepseek_v2", {"ep": 2, "zero": 3}),
+        ("moonlight", {"ep": 2, "zero": 3}),
+        ("gpt2", {"tp": 2}),
+    ],
+    ids=["mixtral-ep2-zero3", "deepseek-ep2-zero3", "deepseek-v2-ep2-zero3", "moonlight-ep2-zero3", "gpt2-tp2"],
 )
 def test_each_rank_reads_its_slices_only(tmp_path, name, parallel):
     """Each of 2 ranks reads about half the folder, a rank of ep 2 the tensors of its 2 experts of 4 only, and

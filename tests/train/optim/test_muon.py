@@ -112,7 +112,7 @@ def _expected_matrices(model: nn.Module, blocks: str) -> set[int]:
     [
         {"family": "gpt2"},
         {"family": "llama", "n_kv_heads": 1},
-        {"family": "llama", "moe_experts": 4, "moe_top_k": 2, "moe_shared_expert": True},
+        {"family": "llama", "moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1},
         {"family": "gpt2", "moe_experts": 2, "moe_top_k": 1},
     ],
     ids=["gpt2", "llama", "llama-moe", "gpt2-moe"],
