@@ -1,7 +1,7 @@
 """GRPO on docs/rl.md's 2-core example: the held-out accuracy it adds over SFT and over SFT continued for the same
 wall time, where an RL step's time goes, and paralm's GRPO beside TRL's `GRPOTrainer` (issue 53).
 
-    python benchmarks/grpo.py [--sft-steps 500] [--rl-steps 200] [--seeds 1 2 3] [--trl-steps 30] [--threads 1]
+    python benchmarks/grpo.py [--sft-steps 500] [--rl-steps 200] [--seeds 1 2 3] [--trl-steps 60] [--threads 1]
         [--n-layer 4] [--d-model 128] [--held-out 200] [--samples 8]
 
 Data: `examples/rl/make_data.py` (reverse three random letters, "cat=tac"; `--held-out` words kept apart),
@@ -21,9 +21,10 @@ Data: `examples/rl/make_data.py` (reverse three random letters, "cat=tac"; `--he
    with its own sampler), group size, completion length, temperature, rewards (the same two functions, weights 1),
    loss (`grpo`, group-scaled advantages, clip 0.2, beta 0, one update per rollout), batch (16 prompts x 8 in
    micro-batches of 32, one optimizer step per rollout) and AdamW (constant `--rl-lr`, betas 0.9/0.95, eps 1e-8,
-   weight decay 0.1, clip 1.0), against the first `--trl-steps` rows of the first seed's `paralm rl` run.
-   Reward: the mean over the first and the last 5 steps; seconds per step: medians after 2 warm-up steps (TRL's own
-   `step_time`, its generation included). Skipped, with a line, where TRL is not installed.
+   weight decay 0.1, clip 1.0), against `paralm rl` with the first seed for `--trl-steps` steps, run right before
+   it (the first seed's run above, cut short: the same rows, timed under the same load as TRL). Reward: the mean
+   over the first and the last 10 steps; seconds per step: medians after 2 warm-up steps (TRL's own `step_time`,
+   its generation included). Skipped, with a line, where TRL is not installed.
 Check `uptime` (printed): compare figures within one table.
 """
 
@@ -49,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples/rl"
 CONFIG = EXAMPLE / "reverse.toml"
 WARMUP = 2  # steps left out of the medians
-LAST = 5  # steps the final reward is averaged over
+LAST = 10  # steps the first and the final reward are averaged over
 
 
 def example(name: str) -> ModuleType:
@@ -101,9 +102,9 @@ class Runs:
         paralm(["train", *self.common, *options, *extra], self.args.threads)
         return run
 
-    def rl(self, name: str, seed: int) -> Path:
+    def rl(self, name: str, seed: int, steps: int) -> Path:
         run = self.work / name
-        options = [f"--rl.steps={self.args.rl_steps}", f"--train.seed={seed}", f"--run.dir={run}"]
+        options = [f"--rl.steps={steps}", f"--train.seed={seed}", f"--run.dir={run}"]
         options += [f"--checkpoint.init_from={self.work / 'sft'}", *self.constant_lr(self.args.rl_lr)]
         paralm(["rl", *self.common, *options], self.args.threads)
         return run
@@ -160,15 +161,13 @@ def main() -> None:
     parser.add_argument("--rl-steps", type=int, default=200, help="rollouts of each paralm rl run")
     parser.add_argument("--rl-lr", type=float, default=1e-3, help="constant lr of the RL runs (paralm's and TRL's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--trl-steps", type=int, default=30, help="steps of the TRL comparison; 0 leaves it out")
+    parser.add_argument("--trl-steps", type=int, default=60, help="steps of the TRL comparison; 0 leaves it out")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--held-out", type=int, default=200, help="words kept apart for the accuracy")
     parser.add_argument("--samples", type=int, default=8, help="completions per held-out word for the sampled accuracy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
     args = parser.parse_args()
-    if args.trl_steps > args.rl_steps:
-        parser.error(f"--trl-steps {args.trl_steps} compares with the first RL run: at most --rl-steps")
     torch.set_num_threads(args.threads)
     score = example("accuracy").accuracy
 
@@ -195,14 +194,15 @@ def main() -> None:
 
         table, rl_rows = [row("SFT (base)", "", base, args.sft_steps)], []
         for seed in args.seeds:
-            rl = runs.rl(f"rl{seed}", seed)
+            rl = runs.rl(f"rl{seed}", seed, args.rl_steps)
             rl_rows.append(metrics(rl))
             steps = max(1, round(seconds(rl_rows[-1]) / sft_step))
             more = runs.sft(f"more{seed}", steps, [*runs.constant_lr(args.sft_lr), f"--train.seed={seed}",
                                                   f"--checkpoint.init_from={base}"])  # fmt: skip
             table += [row("+ GRPO", f"{seed}", rl, args.rl_steps), row("+ SFT, same time", f"{seed}", more, steps)]
-        theirs = None
-        if args.trl_steps:
+        theirs, ours = None, []
+        if args.trl_steps:  # paralm's run again, right before TRL's: the two timed under the same load
+            ours = metrics(runs.rl("rl-trl", args.seeds[0], args.trl_steps))
             subprocess.run([sys.executable, "-m", "paralm", "export", "--run", str(base), "--out", str(work / "hf")],
                            check=True, capture_output=True, env=thread_env(args.threads))  # fmt: skip
             theirs = trl_grpo(work / "hf", work / "raw/prompts.jsonl", work, args)
@@ -220,7 +220,7 @@ def main() -> None:
     if args.trl_steps and theirs is None:
         print("TRL comparison skipped: trl is not installed (pip install trl)")
     elif args.trl_steps:
-        print_trl(rl_rows[0][: args.trl_steps], theirs, args.trl_steps)
+        print_trl(ours, theirs, args.trl_steps)
     for line in machine():
         print(line)
 

@@ -35,7 +35,7 @@ from paralm.plan import trials
 from paralm.plan.cluster import Cluster, GiB, load_cluster
 from paralm.plan.request import load_request, with_fields
 from paralm.plan.search import Prediction, search
-from paralm.plan.validate import error_line
+from paralm.plan.validation_report import error_line
 
 RECIPE = "fp32-master"  # how paralm stores model states: see memory.STATE_RECIPES
 SHOWN = 3

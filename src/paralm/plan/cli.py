@@ -91,7 +91,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.report import band_line, plans_table, summary
     from paralm.plan.request import load_request
     from paralm.plan.search import search
-    from paralm.plan.validate import error_line, report
+    from paralm.plan.validation_report import error_line, report
 
     if args.choices and not args.validate:
         raise UserError("--choices goes with --validate (paralm plan --validate --choices)")

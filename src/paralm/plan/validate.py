@@ -23,7 +23,6 @@ from paralm.plan.layout import Layout, Workload
 from paralm.plan.published import RUNS as H100_RUNS
 from paralm.plan.published import PublishedRun
 from paralm.plan.published_a100 import A100_RUNS
-from paralm.plan.report import table
 from paralm.plan.request import load_request
 from paralm.plan.search import Prediction, evaluate
 
@@ -180,68 +179,8 @@ def summary_line(cluster: str = "h100") -> str:
     return f"published runs: {len(errors)}, mean error {mean:.1f}%, worst {worst:.1f}%"
 
 
-def error_line() -> str:
-    """The line `paralm plan` and `--parallel.auto` print beside their predictions."""
-    from paralm.plan.heldout import held_out
-
-    shipped = errors_line("planner error on published runs: ", [p.error for p in validation()])
-    return errors_line(f"{shipped}; held out by source: ", [p.error for p in held_out()])
-
-
-def report(cluster: str = "h100") -> str:
-    """The table of every row (name, predicted in-sample and held out, published, errors), the errors per source
-    with the scale fitted without it, the sources and assumptions, and the two summary lines."""
-    from paralm.plan.heldout import fitted_scale, group, groups, held_out
-
-    shipped, held = validation(cluster), held_out(cluster)
-    rows = [
-        (p.run.name, value_text(p.run, p.predicted), value_text(p.run, h.predicted), value_text(p.run, p.run.published))
-        + (f"{100 * p.error:.1f}%", f"{100 * h.error:.1f}%")
-        for p, h in zip(shipped, held, strict=True)
-    ]
-    headers = ("run", "predicted", "held out", "published", "error", "held-out error")
-    per_source = []
-    for name in groups():
-        members = [i for i in range(len(RUNS)) if group(i) == name]
-        scale = fitted_scale(name, cluster)
-        per_source.append(
-            (name, str(len(members)))
-            + _mean_worst([shipped[i].error for i in members])
-            + _mean_worst([held[i].error for i in members])
-            + (f"{scale:.2f}",)
-        )
-    source_headers = ("source", "runs", "mean", "worst", "held-out mean", "held-out worst", "scale without it")
-    notes = [f"  {i}. {p.run.source}; assumed: {p.run.assumed}" for i, p in enumerate(shipped, 1)]
-    priced_on = ", ".join(f"{hw}: {base.name}" for hw, base in bases(cluster).items())
-    return "\n".join(
-        [
-            f"priced on: {priced_on} ({cluster})",
-            table(rows, headers),
-            "held out: each source priced with the presets' matmul efficiency scaled as fitted on the other sources "
-            f"(paralm.plan.heldout); fitted on every source: {fitted_scale('', cluster):.2f} (in-sample at it: "
-            f"{_refit_mean(cluster):.1f}%), shipped: 1.00",
-            table(per_source, source_headers),
-            "sources and assumptions:",
-            *notes,
-            summary_line(cluster),
-            errors_line("held out: ", [p.error for p in held]),
-        ]
-    )
-
-
-def _refit_mean(cluster: str) -> float:
-    from paralm.plan.heldout import fitted_scale
-
-    scale = fitted_scale("", cluster)
-    return 100 * sum(priced(i, cluster, scale).error for i in range(len(RUNS))) / len(RUNS)
-
-
 def value_text(run: PublishedRun, x: float) -> str:
     """`x` in the run's figure, with its unit."""
     if run.metric == "tflops":
         return f"{x:.0f} TFLOP/s/GPU"
     return f"{100 * x:.1f}% MFU" if run.metric == "mfu" else f"{x:,.0f} tok/s/GPU"
-
-
-def _mean_worst(errors: list[float]) -> tuple[str, str]:
-    return f"{100 * sum(errors) / len(errors):.1f}%", f"{100 * max(errors):.1f}%"
