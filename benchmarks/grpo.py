@@ -2,7 +2,7 @@
 wall time, where an RL step's time goes, and paralm's GRPO beside TRL's `GRPOTrainer` (issue 53).
 
     python benchmarks/grpo.py [--sft-steps 500] [--rl-steps 200] [--seeds 1 2 3] [--trl-steps 60] [--threads 1]
-        [--n-layer 4] [--d-model 128] [--held-out 200] [--samples 8]
+        [--n-layer 4] [--d-model 128] [--noise 0.5] [--held-out 200] [--samples 8]
 
 Data: `examples/rl/make_data.py` (reverse three random letters, "cat=tac"; `--held-out` words kept apart),
 `paralm data prepare`d as bytes. Model and [rl] section: `examples/rl/reverse.toml` (a 4-layer Llama; `--n-layer`,
@@ -14,7 +14,9 @@ Data: `examples/rl/make_data.py` (reverse three random letters, "cat=tac"; `--he
    `--sft-lr`) for as many steps as take the RL run's time at the base's median seconds per step. Each is scored
    on the held-out words with `examples/rl/accuracy.py`: greedy, and the mean over `--samples` completions at
    temperature 1 (what a rollout sees). "s" is the sum of the run's `step_time_s` (for RL the rollouts included,
-   start-up excluded), so the two arms can be compared in time.
+   start-up excluded), so the two arms can be compared in time. Then all of it again, base included, on data
+   whose SFT lines each copy the word instead of reversing it with probability `--noise` (`make_data.py --noise`;
+   the RL prompts' answers stay right): demonstrations the reward knows better than, where RL has something to add.
 2. Rollout vs update: medians over the RL runs' steps (after 2 warm-up steps) of `rollout_tok_s` and
    `update_tok_s` (completion tokens per second) and the share of rollout + update each took.
 3. TRL: the base exported (`paralm export`), trained by `trl.GRPOTrainer` on the same prompts (TRL shuffles them
@@ -164,6 +166,7 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=60, help="steps of the TRL comparison; 0 leaves it out")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--noise", type=float, default=0.5, help="share of wrong SFT lines, second table (0: none)")
     parser.add_argument("--held-out", type=int, default=200, help="words kept apart for the accuracy")
     parser.add_argument("--samples", type=int, default=8, help="completions per held-out word for the sampled accuracy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
@@ -173,39 +176,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        example("make_data").main(work / "raw", held_out=args.held_out)
-        held_out = work / "raw/heldout.jsonl"
-        paralm(["data", "prepare", "--input", str(work / "raw/sft.txt"), "--tokenizer", "byte", "--out",
-                str(work / "data")], args.threads)  # fmt: skip
-        runs = Runs(work, args)
-        base = runs.sft("sft", args.sft_steps, [])
-        sft_step = median_after_warmup(metrics(base), "step_time_s")
-
-        def row(name: str, seed: str, run: Path, steps: int) -> list[str]:
-            acc = score(run, held_out, samples=args.samples)
-            return [
-                name,
-                seed,
-                f"{steps}",
-                f"{seconds(metrics(run)):.1f}",
-                f"{acc['greedy']:.3f}",
-                f"{acc['sampled']:.3f}",
-            ]
-
-        table, rl_rows = [row("SFT (base)", "", base, args.sft_steps)], []
-        for seed in args.seeds:
-            rl = runs.rl(f"rl{seed}", seed, args.rl_steps)
-            rl_rows.append(metrics(rl))
-            steps = max(1, round(seconds(rl_rows[-1]) / sft_step))
-            more = runs.sft(f"more{seed}", steps, [*runs.constant_lr(args.sft_lr), f"--train.seed={seed}",
-                                                  f"--checkpoint.init_from={base}"])  # fmt: skip
-            table += [row("+ GRPO", f"{seed}", rl, args.rl_steps), row("+ SFT, same time", f"{seed}", more, steps)]
+        clean, rl_rows = accuracy_runs(work / "clean", args, 0.0, score)
+        noisy = accuracy_runs(work / "noisy", args, args.noise, score)[0] if args.noise else None
+        runs, base = Runs(work / "clean", args), work / "clean/sft"
         theirs, ours = None, []
         if args.trl_steps:  # paralm's run again, right before TRL's: the two timed under the same load
             ours = metrics(runs.rl("rl-trl", args.seeds[0], args.trl_steps))
             subprocess.run([sys.executable, "-m", "paralm", "export", "--run", str(base), "--out", str(work / "hf")],
                            check=True, capture_output=True, env=thread_env(args.threads))  # fmt: skip
-            theirs = trl_grpo(work / "hf", work / "raw/prompts.jsonl", work, args)
+            theirs = trl_grpo(work / "hf", work / "clean/raw/prompts.jsonl", work, args)
 
     print(
         f"{args.n_layer}-layer Llama, d_model {args.d_model}, bytes; SFT base {args.sft_steps} steps; GRPO "
@@ -213,7 +192,10 @@ def main() -> None:
         f"lr {args.sft_lr:g}; {args.held_out} held-out words; {args.threads} thread(s) each"
     )
     headers = ["run", "seed", "steps", "s", "greedy acc", f"sampled acc (T=1, {args.samples}/word)"]
-    print_table(headers, table)
+    print_table(headers, clean)
+    if noisy:
+        print(f"\nThe same, {args.noise:.0%} of the SFT lines wrong (copied, not reversed); the rewards stay right:")
+        print_table(headers, noisy)
     print()
     print_rollout(rl_rows)
     print()
@@ -223,6 +205,34 @@ def main() -> None:
         print_trl(ours, theirs, args.trl_steps)
     for line in machine():
         print(line)
+
+
+def accuracy_runs(
+    work: Path, args: argparse.Namespace, noise: float, score: Callable[..., dict[str, float]]
+) -> tuple[list[list[str]], list[list[dict]]]:
+    """Part 1 on data whose SFT lines are wrong with probability `noise`: the table's rows, and each RL run's
+    metrics."""
+    example("make_data").main(work / "raw", held_out=args.held_out, noise=noise)
+    held_out = work / "raw/heldout.jsonl"
+    paralm(["data", "prepare", "--input", str(work / "raw/sft.txt"), "--tokenizer", "byte", "--out",
+            str(work / "data")], args.threads)  # fmt: skip
+    runs = Runs(work, args)
+    base = runs.sft("sft", args.sft_steps, [])
+    sft_step = median_after_warmup(metrics(base), "step_time_s")
+
+    def row(name: str, seed: str, run: Path, steps: int) -> list[str]:
+        acc = score(run, held_out, samples=args.samples)
+        return [name, seed, f"{steps}", f"{seconds(metrics(run)):.1f}", f"{acc['greedy']:.3f}", f"{acc['sampled']:.3f}"]
+
+    table, rl_rows = [row("SFT (base)", "", base, args.sft_steps)], []
+    for seed in args.seeds:
+        rl = runs.rl(f"rl{seed}", seed, args.rl_steps)
+        rl_rows.append(metrics(rl))
+        steps = max(1, round(seconds(rl_rows[-1]) / sft_step))
+        more = runs.sft(f"more{seed}", steps, [*runs.constant_lr(args.sft_lr), f"--train.seed={seed}",
+                                              f"--checkpoint.init_from={base}"])  # fmt: skip
+        table += [row("+ GRPO", f"{seed}", rl, args.rl_steps), row("+ SFT, same time", f"{seed}", more, steps)]
+    return table, rl_rows
 
 
 def print_rollout(runs: list[list[dict]]) -> None:

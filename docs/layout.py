@@ -17,7 +17,7 @@ REGENERATE = "python docs/layout.py > docs/layout.md"
 CORE = ("errors", "compat", "models", "config", "hardware", "convert", "parallel", "sync", "observe", "launch")
 CORE += ("data", "train")
 WINGS = ("runs", "hf", "compress", "plan", "evidence", "param_server", "sweep", "lmeval")
-WINGS += ("evaluate", "generate", "job", "cli")
+WINGS += ("evaluate", "generate", "job", "rl", "cli")
 
 INTRO = f"""# Package layout
 

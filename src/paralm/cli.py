@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = verbs.add_parser(
         "export",
         help="write a run's model as a Hugging Face transformers folder (GPT-2; Llama, Mistral, Qwen2, Qwen3, "
-        "Mixtral, Qwen3-MoE; DeepSeek-V3)",
+        "Mixtral, Qwen3-MoE; DeepSeek-V2, DeepSeek-V3)",
     )
     export.add_argument("--run", required=True, help="run directory")
     export.add_argument("--checkpoint", help="checkpoint directory (default: the latest)")

@@ -140,8 +140,6 @@ def test_a_trained_run_exports_and_imports_back(deepseek_run, tmp_path):
 
 
 def test_what_deepseek_does_not_support_is_refused_in_one_line(tmp_path, capsys):
-    with pytest.raises(UserError, match="parallel.cp > 1 is not supported"):
-        validate(tiny_config(tmp_path / "x", model=DEEPSEEK, parallel={"cp": 2}))
     with pytest.raises(UserError, match="n_head"):  # MLA's heads split whole over tp
         validate(tiny_config(tmp_path / "x", model=DEEPSEEK | {"n_head": 2}, parallel={"tp": 4}))
     with pytest.raises(UserError, match="kv_lora_rank"):

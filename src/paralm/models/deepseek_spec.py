@@ -4,9 +4,9 @@ It composes with data parallelism (DDP, ZeRO; FSDP wraps each block, as Llama's)
 pipeline parallelism (every schedule: `paralm verify --family deepseek`), which need nothing of a family
 but its blocks, MoE layers and pipeline parts, and with tensor (and sequence) parallelism: multi-head
 latent attention splits its heads (`wq` and `wkv_b` column-wise, `wo` row-wise) and keeps its low-rank
-paths replicated, the shared RoPE key's gradient summed over the group (`compat.SumGradients`).
-Context parallelism is untested with it: the config rules refuse parallel.cp > 1 for this family
-(`ModelSpec.unsupported`).
+paths replicated, the shared RoPE key's gradient summed over the group (`compat.SumGradients`), and with
+context parallelism (ring and all-to-all): the attention core each block swaps sees every head's keys and
+values, the shared RoPE key already expanded, and the MoE layers' balance terms complete over the cp ranks.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def shape(config: DeepSeekConfig) -> ModelShape:
         mlp_grads=3 * hidden,
         mlp_traffic=5 * hidden,
         rotary_width=(heads + 1) * rope,
+        kv_width=heads * (nope + rope + value),  # each head's key (its part and the shared RoPE key) and value
         elementwise_kernels=14 + 2 * (8 + 10) + 1,  # Llama's, with the latent norms and q/k concatenations
         moe=replace(moe, dense_ffn_matrices=dense) if moe else None,
         mlp_fused=3 * hidden,
@@ -154,5 +155,4 @@ SPEC = ModelSpec(
         Branch("attention", ("wq", "wkv_b"), "wo", lambda config: config.n_head),  # each head's rows and columns
         Branch("feed_forward", ("w1", "w3"), "w2", ffn_hidden),
     ),
-    unsupported=("cp",),
 )

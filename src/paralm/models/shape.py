@@ -69,6 +69,9 @@ class ModelShape:
     # which every head reads); their parameters count among `layer_replicated_params`
     layer_whole_matrices: tuple[tuple[int, int, int], ...] = ()
     attention_window: int = 0  # each query sees itself and this many - 1 keys before it (a sliding window); 0: all
+    # keys and values per token as attention receives them, every head's (MLA's keys are wider than its values,
+    # and each head has its own); 0: 2 x n_kv_heads x d_model / n_head
+    kv_width: int = 0
     # multi-token prediction (`paralm.models.mtp`): modules after the last block, each one more block (a dense
     # block's counts, `prediction_moe_blocks` of them MoE) and `prediction_params` of its own (its norms and
     # projection), whose output passes through the head once more per trained token

@@ -21,6 +21,8 @@ def _tensors(layout: Layout, work: Workload) -> tuple[float, float]:
     shape, t = work.shape, layout.tp
     tokens = layout.pipeline_batch * layout.sequence(shape) * work.element_bytes
     queries = tokens * shape.d_model / t
+    if shape.kv_width:  # every head's own keys and values (MLA's), which cp divides as it divides the heads
+        return tokens * shape.kv_width / t, queries
     kv_heads = shape.n_kv_heads // t
     if layout.cp_method == "alltoall" and kv_heads % layout.cp:
         return 2 * queries, queries

@@ -104,6 +104,8 @@ class MetricsLogger:
         summary = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.1f}%"
         if row.get("moe_load_imbalance") is not None:
             summary += f" | moe max/mean {row['moe_load_imbalance']:.2f}"
+        if row.get("reward_mean") is not None:  # `paralm rl`: what the policy earns, where the loss hovers at 0
+            summary += f" | reward {row['reward_mean']:.3f}"
         if row.get("val_loss") is not None:
             summary += f" | val {row['val_loss']:.4f}"
         if row.get("step_time_spread") is not None:

@@ -110,15 +110,15 @@ def _block_gradients(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, fused: bool) -> torch.Tensor:  # noqa: ANN001
-        heads = q.shape[1]
+        heads, width = q.shape[1], k.shape[-1]
         with torch.autocast(q.device.type, enabled=False):
-            kv = torch.stack([k, v])
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            kv = torch.cat([k, v], dim=-1)  # one message; keys and values may differ in width (MLA)
+            out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
             lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
             for step in range(ring.cp):
                 pending = ring.start(kv) if step < ring.cp - 1 else None
                 qs, ks, causal = ring.sections(step, q.shape[2])
-                key, value = _expand(kv[0][:, :, ks], heads), _expand(kv[1][:, :, ks], heads)
+                key, value = _expand(kv[:, :, ks, :width], heads), _expand(kv[:, :, ks, width:], heads)
                 block_out, block_lse = _attend_block(q[:, :, qs], key, value, causal, fused)
                 merged = torch.logaddexp(lse[:, :, qs], block_lse)
                 out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - merged) + block_out * torch.exp(
@@ -136,23 +136,24 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
         q, k, v, out, lse = ctx.saved_tensors
         ring, heads, grad_out = ctx.ring, q.shape[1], grad_out.contiguous()
+        width = k.shape[-1]
         with torch.autocast(q.device.type, enabled=False):
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            kv = torch.stack([k, v])
+            kv = torch.cat([k, v], dim=-1)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
             for step in range(ring.cp):
                 pending = ring.start(kv) if step < ring.cp - 1 else None
                 qs, ks, causal = ring.sections(step, q.shape[2])
-                key, value = _expand(kv[0][:, :, ks], heads), _expand(kv[1][:, :, ks], heads)
+                key, value = _expand(kv[:, :, ks, :width], heads), _expand(kv[:, :, ks, width:], heads)
                 rows = (grad_out[:, :, qs], q[:, :, qs], key, value, out[:, :, qs], lse[:, :, qs])
                 dq_block, dk_block, dv_block = _block_gradients(*rows, causal, ctx.fused)
                 dq[:, :, qs] += dq_block
-                dkv[0][:, :, ks] += _fold(dk_block.float(), k.shape[1])
-                dkv[1][:, :, ks] += _fold(dv_block.float(), k.shape[1])
+                dkv[:, :, ks, :width] += _fold(dk_block.float(), k.shape[1])
+                dkv[:, :, ks, width:] += _fold(dv_block.float(), k.shape[1])
                 dkv = ring.finish(ring.start(dkv))  # after cp passes each block's gradient is home
                 if pending is not None:
                     kv = ring.finish(pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[..., :width].to(k.dtype), dkv[..., width:].to(v.dtype), None, None
 
 
 class RingAttention:
@@ -166,5 +167,6 @@ class RingAttention:
     ) -> torch.Tensor:
         if cache is not None or dropout:
             raise ValueError("ring attention trains without attention dropout; decoding runs on one process")
-        fused = q.device.type == "cpu" if self.fused is None else self.fused
+        # the CPU's fused kernel takes values as wide as the keys (MLA's are narrower: fp32 products then)
+        fused = q.device.type == "cpu" and k.shape[-1] == v.shape[-1] if self.fused is None else self.fused
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, fused)
