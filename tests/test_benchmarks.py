@@ -187,3 +187,5 @@ def test_benchmark_runs_one_step(script, tmp_path):
     assert ("Self CPU" if script == "profile_step.py" else "|") in result.stdout  # a printed table
     if script == "gpu_check.py":
         assert "MFU" in result.stdout and "FAIL" not in result.stdout, result.stdout
+    if script == "grpo.py":  # the second accuracy table: the noisy demonstrations, where RL has something to add
+        assert "of the SFT lines wrong" in result.stdout, result.stdout
