@@ -41,6 +41,7 @@ def test_the_edge_of_each_range_runs(name, value):
     [
         ({"rl.prompts": ""}, "rl.prompts is empty"),
         ({"rl.group_size": 1}, "rl.group_size = 1 must be at least 2"),
+        ({"rl.updates_per_rollout": 3, "checkpoint.every": 100}, "checkpoint.every = 100 is not a multiple"),
         ({"rl.prompts_per_step": 0}, "rl.prompts_per_step = 0 must be at least 1"),
         ({"rl.max_new_tokens": 0}, "rl.max_new_tokens = 0 must be at least 1"),
         ({"rl.temperature": 0.0}, "rl.temperature = 0.0 must be positive"),

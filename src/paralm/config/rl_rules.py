@@ -39,6 +39,12 @@ def check_rl(config: Config) -> None:
     for name, value, holds, requirement in ranges:
         if not holds:
             raise UserError(f"{name} = {value} {requirement}")
+    every = config.checkpoint.every
+    if every and every % rl.updates_per_rollout:  # a resume re-samples its rollout: from the weights it sampled with
+        raise UserError(
+            f"checkpoint.every = {every} is not a multiple of rl.updates_per_rollout = {rl.updates_per_rollout}: "
+            "save between rollouts (a multiple of it), so that a resumed run samples as the uninterrupted one did"
+        )
     reward_weights(rl)
     if "format" in rl.rewards:
         format_regex(rl)
