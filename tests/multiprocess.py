@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
 import torch.multiprocessing as mp
+
+# DTensor imports symbolic_shapes (sympy with it) lazily, at its first uneven shard; imported in a rank forked
+# from a process whose other threads hold locks (a test's watchdog, torch's compile workers), it can abort. Here it
+# is imported once, before any fork.
 
 
 def free_port() -> int:

@@ -78,8 +78,9 @@ def test_verify_holds_expert_parallelism_to_one_process(tmp_path):
 def test_layouts_a_familys_rules_refuse_are_named_with_their_line(tmp_path):
     matrix = Matrix(tmp_path, echo=lambda _: None, family="deepseek")
     assert matrix.refusal(CheckedLayout("ddp", 2, {})) is None
-    assert "parallel.cp > 1 is not supported" in matrix.refusal(
-        CheckedLayout("cp2-ring", 2, {"parallel.cp": 2, "parallel.cp_method": "ring"})
+    assert matrix.refusal(CheckedLayout("cp2-ring", 2, {"parallel.cp": 2, "parallel.cp_method": "ring"})) is None
+    assert "parallel.cp > 1 with parallel.ep > 1" in matrix.refusal(
+        CheckedLayout("cp2-ep2", 2, {"parallel.cp": 2, "parallel.ep": 2})
     )
     ps = CheckedLayout("ps", 2, {"sync.mode": "parameter_server", "sync.ps_servers": 1}, servers=1)
     assert "parameter_server" in matrix.refusal(ps)

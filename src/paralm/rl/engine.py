@@ -141,19 +141,19 @@ class RolloutEngine(StepEngine):
         return batch
 
     def agreed(self, score: Callable[[], RewardScores]) -> RewardScores:
-        """`score()`, or its error on every rank: a rank whose reward function failed must not leave the others
-        waiting in the rewards' gather."""
+        """`score()`, or on every rank the error of the first rank whose reward function failed: that rank must
+        not leave the others waiting in the rewards' gather, and the job says one line, the failing function's."""
         error = None
         try:
             scores = score()
         except UserError as e:
             error = e
-        group = self.runtime.dp_group
-        if group is not None:
-            failed = torch.tensor(float(error is not None), device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-            if error is None and failed.item():
-                raise UserError("a reward function failed on another data-parallel rank: its error says where")
+        if self.runtime.distributed:  # host metadata: on the gloo group of the ranks that step together
+            messages: list[str | None] = [None] * dist.get_world_size(self.runtime.host_step_group)
+            dist.all_gather_object(messages, None if error is None else str(error), group=self.runtime.host_step_group)
+            failed = next((m for m in messages if m is not None), None)
+            if failed is not None:
+                raise UserError(failed)
         if error is not None:
             raise error
         return scores
