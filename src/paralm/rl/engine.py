@@ -83,11 +83,14 @@ class RolloutEngine(StepEngine):
     def prompts_of(self, rollout: int) -> list[tuple[int, Prompt]]:
         """The global batch's prompts of rollout `rollout` with their places in it: a slice of the epoch's shuffle."""
         n, per_step = len(self.prompts), self.rl.prompts_per_step
+        orders: dict[int, torch.Tensor] = {}  # one shuffle per epoch the slice touches
         chosen = []
         for place in range(per_step):
-            index = rollout * per_step + place
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.train.seed + index // n))
-            chosen.append((place, self.prompts[int(order[index % n])]))
+            epoch, at = divmod(rollout * per_step + place, n)
+            if epoch not in orders:
+                seeded = torch.Generator().manual_seed(self.config.train.seed + epoch)
+                orders[epoch] = torch.randperm(n, generator=seeded)
+            chosen.append((place, self.prompts[int(orders[epoch][at])]))
         return chosen
 
     def step_batch(self, start: int = 0) -> PolicyBatch:
