@@ -29,7 +29,7 @@ from torch import nn
 
 from paralm import compat
 from paralm.models.step import StepHook
-from paralm.parallel.step import PlainStep
+from paralm.parallel.step import LossFn
 
 
 def apply_compile(blocks: nn.ModuleDict) -> None:
@@ -40,17 +40,17 @@ def apply_compile(blocks: nn.ModuleDict) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def compile_step(step: PlainStep, cuda_graphs: bool) -> None:
-    """Compile the step's forward and loss (`PlainStep._loss`, which training and evaluation call) in place. A
-    masked loss's divisor (the global batch's trained targets) enters as a tensor: as a number it would be a
-    constant of the graph, compiled again for every batch."""
+def compiled_loss(loss: LossFn, cuda_graphs: bool) -> LossFn:
+    """`loss` (a step's forward and loss, `PlainStep.loss`) compiled as one graph. A masked loss's divisor (the
+    global batch's trained targets) enters as a tensor: as a number it would be a constant of the graph,
+    compiled again for every batch."""
     compat.capture_scalar_outputs()
-    compiled = torch.compile(step._loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+    compiled = torch.compile(loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
 
-    def loss(x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor | None, tokens: float | None = None) -> Any:
+    def run(x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor | None, tokens: float | None = None) -> Any:
         return compiled(x, y, *rest, tokens=None if tokens is None else _on_device(tokens, x.device))
 
-    step._loss = loss
+    return run
 
 
 def _on_device(value: float, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from paralm.models.registry import model_spec
 from paralm.models.spec import tied_parameters
 from paralm.models.step import StepBatch
 from paralm.parallel.activation_checkpoint import apply_activation_checkpointing
-from paralm.parallel.compile import apply_compile, compile_step
+from paralm.parallel.compile import apply_compile, compiled_loss
 from paralm.parallel.context.apply import apply_context_parallel, sequence_shard
 from paralm.parallel.ddp import apply_ddp
 from paralm.parallel.expert import ExpertParallel
@@ -103,9 +104,9 @@ def parallelize(model: nn.Module, runtime: Runtime, config: Config) -> ParallelP
         shard = sequence_shard(runtime.mesh["cp"], config.parallel.cp_method) if dims.cp_enabled else None
         every_microstep = dims.fsdp_enabled and config.parallel.shard_grads_every_microstep
         head = loss_head(model.get_submodule(spec.head))
-        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep, head)
-        if config.train.compile == "model":
-            compile_step(runner, config.train.cuda_graphs)
+        whole = config.train.compile == "model"
+        compiler = partial(compiled_loss, cuda_graphs=config.train.cuda_graphs) if whole else None
+        runner = PlainStep(module, runtime.device, dtype, dims.tp, shard, every_microstep, head, compiler)
     reducers = tensor_parallel_reducers(model, runtime.mesh["tp"], dims.sequence_parallel) if dims.tp_enabled else []
     return ParallelPlan(
         model=model,

@@ -59,6 +59,7 @@ def _like(loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
 
 
 LossScale = Callable[[torch.Tensor], torch.Tensor]  # multiplies the loss before backward (fp16 loss scaling)
+LossFn = Callable[..., torch.Tensor]  # (x, y, *rest, tokens=None) -> the loss: `PlainStep`'s forward and loss
 
 
 class StepRunner(Protocol):
@@ -80,6 +81,11 @@ class PlainStep:
     shard: SequenceShard | None = None  # context parallelism: this rank's positions of every sequence
     sync_every_microstep: bool = False  # FSDP reduce-scatters every micro-step (`parallel.shard_grads_every_microstep`)
     head: LossHead = PlainHead()  # the head's matmul and cross-entropy (`train.loss_impl`)
+    compiler: Callable[[LossFn], LossFn] | None = None  # `train.compile = "model"`: `parallel.compile.compiled_loss`
+
+    def __post_init__(self) -> None:
+        # training and evaluation both call `self.loss`: compiled, the whole forward and loss are one graph
+        self.loss: LossFn = self._loss if self.compiler is None else self.compiler(self._loss)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor | None, tokens: float | None = None):
         """Loss of the batch (`self.head`'s), or of this rank's positions of it (with their global
@@ -99,9 +105,9 @@ class PlainStep:
             with gradient_sync(self.module, last or self.sync_every_microstep), loss_context(self.tp):
                 with autocast(self.device, self.dtype):
                     if tokens is None:
-                        loss = self._loss(x, y, *rest) / len(batches)
+                        loss = self.loss(x, y, *rest) / len(batches)
                     else:
-                        loss = self._loss(x, y, *rest, tokens=tokens)
+                        loss = self.loss(x, y, *rest, tokens=tokens)
                     aux = pop_auxiliary_loss(self.module)  # MoE balancing: trained, not reported as the loss
                     share = 1.0 if tokens is not None else 1 / len(batches)
                     ahead = prediction_loss(self.module, self.head, y, tokens, share)  # multi-token prediction's
@@ -117,7 +123,7 @@ class PlainStep:
         shard that trains none)."""
         tokens = None if self.shard is None else float((y != IGNORE_INDEX).sum())
         with autocast(self.device, self.dtype), loss_context(self.tp):
-            loss = local_value(self._loss(x, y, documents, tokens=tokens))
+            loss = local_value(self.loss(x, y, documents, tokens=tokens))
         if self.shard is not None:
             dist.all_reduce(loss, group=self.shard.group)
         return loss
