@@ -5,6 +5,8 @@ restricts SDPA to it: a kernel measured faster on a device, or `math`, the plain
 device has, as a reference. The family's attention enters the context around its call, inside the block, so the
 recomputation of a checkpointed block in backward (outside the model's forward) runs the same kernel, and a
 compiled block traces it (dynamo knows `sdpa_kernel`). A kernel the device lacks is refused before training.
+On CUDA, masked attention (packed documents, a sliding window) runs flex attention instead, whatever kernel is
+named, except `math`, which keeps it on SDPA's math kernel with a boolean mask (`models.flex_masks`).
 """
 
 from __future__ import annotations

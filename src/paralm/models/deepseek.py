@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from paralm.models.attention_backend import attention_backend
-from paralm.models.documents import document_mask, document_positions, masked_attend
+from paralm.models.documents import AttentionMask, document_positions, masked_attend, packed_mask
+from paralm.models.flex_masks import flex_fits
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.llama import Block as LlamaBlock
 from paralm.models.llama import DecoderConfig, Llama, rope_tables
@@ -100,7 +101,7 @@ class LatentAttention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         nope, rope, value = self.dims
@@ -156,9 +157,13 @@ class DeepSeek(Llama):
         normed = super().forward(x, positions, cache, documents, hidden=True)
         mask = None
         if documents is not None:
-            positions, mask = document_positions(documents), document_mask(documents)
+            flex = flex_fits(documents.device, self.config, cache is not None)
+            positions, mask = document_positions(documents), packed_mask(documents, 0, flex)
         self.mtp(normed, x, self._embed, None if hidden else self.output, positions, mask)
         return normed if hidden else self.output(normed)
+
+    def attention_window(self) -> int:
+        return 0  # latent attention has no sliding window
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.drop(self.tok_embeddings(tokens))

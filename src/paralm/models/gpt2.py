@@ -22,7 +22,8 @@ from torch import nn
 
 from paralm.models.attention_backend import attention_backend
 from paralm.models.config import ModelConfig
-from paralm.models.documents import document_mask, document_positions, masked_attend
+from paralm.models.documents import AttentionMask, document_positions, masked_attend, packed_mask
+from paralm.models.flex_masks import flex_fits
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE
 from paralm.models.moe_config import MoEConfig, is_moe_block
@@ -55,7 +56,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: LayerCache | None = None, mask: AttentionMask | None = None
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
@@ -87,7 +88,7 @@ class Block(nn.Module):
         self.mlp = MoE(config, 4 * config.d_model, gated=False, layer=index) if moe else MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: LayerCache | None = None, mask: AttentionMask | None = None
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache=cache, mask=mask)
         return x + self.mlp(self.ln_2(x))
@@ -151,7 +152,8 @@ class GPT(nn.Module):
         """
         mask = None
         if documents is not None:
-            positions, mask = document_positions(documents), document_mask(documents)
+            flex = flex_fits(documents.device, self.config, cache is not None)
+            positions, mask = document_positions(documents), packed_mask(documents, 0, flex)
         if self.wte is not None:
             if positions is None:
                 start = cache.length if cache is not None else 0

@@ -25,7 +25,8 @@ from torch import nn
 
 from paralm.models.attention_backend import attention_backend
 from paralm.models.config import ModelConfig
-from paralm.models.documents import document_mask, document_positions, masked_attend, window_mask
+from paralm.models.documents import AttentionMask, document_positions, masked_attend, packed_mask, sliding_mask
+from paralm.models.flex_masks import flex_fits
 from paralm.models.kv_cache import Attend, KVCache, LayerCache, attend
 from paralm.models.moe import RESIDUAL, MoE
 from paralm.models.moe_config import MoEConfig, is_moe_block
@@ -168,7 +169,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
@@ -181,9 +182,9 @@ class Attention(nn.Module):
         cos, sin = rope_tables(self.config, positions, self.head_dim)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
-        if self.config.sliding_window:  # q holds the whole sequence here, also under sequence parallelism
-            window = window_mask(q.shape[2], start, self.config.sliding_window, q.device)
-            mask = window if mask is None else mask & window
+        if self.config.sliding_window and mask is None:  # packed documents' mask holds the window already
+            flex = flex_fits(q.device, self.config, cache is not None)  # q: the whole sequence, also under SP
+            mask = sliding_mask(q.shape[2], start, self.config.sliding_window, q.device, flex)
         if mask is not None and cache is not None:
             k, v = cache.append(k, v)
         with attention_backend(self.config.attention_backend):
@@ -223,7 +224,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -267,6 +268,10 @@ class Llama(nn.Module):
         for buffer in self.buffers():  # an MoE router's balancing bias
             buffer.zero_()
 
+    def attention_window(self) -> int:
+        """The sliding window every block's attention keeps (0: none), which packed documents' mask holds."""
+        return self.config.sliding_window
+
     def forward(
         self,
         x: torch.Tensor,
@@ -283,7 +288,8 @@ class Llama(nn.Module):
         positions restart at each (`models.documents`)."""
         mask = None
         if documents is not None:
-            positions, mask = document_positions(documents), document_mask(documents)
+            flex = flex_fits(documents.device, self.config, cache is not None)
+            positions, mask = document_positions(documents), packed_mask(documents, self.attention_window(), flex)
         if self.tok_embeddings is not None:
             start = cache.length if cache is not None else 0
             if positions is None and start + x.shape[1] > self.config.block_size:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from paralm.models.config import ModelConfig
+from paralm.models.documents import AttentionMask
 from paralm.models.loss import IGNORE_INDEX
 from paralm.models.step import StepHook
 
@@ -39,7 +40,7 @@ class PredictionModule(nn.Module):
         self.norm = nn.RMSNorm(d, eps=eps)
 
     def forward(
-        self, hidden: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None
+        self, hidden: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor | None, mask: AttentionMask | None
     ) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         return self.block(h, positions=positions, mask=mask)
@@ -65,7 +66,7 @@ class MultiTokenPrediction(nn.Module):
         embed: Callable[[torch.Tensor], torch.Tensor],
         head: Callable[[torch.Tensor], torch.Tensor] | None,
         positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> None:
         """Keep each depth's prediction of the tokens `tokens` (batch, seq) are followed by: the final norm's
         output, through `head` where given. `hidden`: the main model's final-norm output."""
