@@ -59,6 +59,8 @@ ARGS = {
     # the script runs (its one-process path in the GPT-2 rows, and its row that is not one training run); every
     # row runs in benchmarks, not CI
     "gpu_check.py": ["--rows", "ZeRO-3", "quantize int8-weight, then eval"],
+    # eager rows only (each compiled one takes a minute on a CPU); the nanoGPT rows say they are skipped (no checkout)
+    "gpu_speed.py": ["--steps", "1", "--compile", "off"],
     # the TRL part runs where trl is installed (the test extra), else prints that it is skipped
     "grpo.py": [
         *("--sft-steps", "3", "--rl-steps", "3", "--seeds", "1", "--trl-steps", "3"),
@@ -189,3 +191,6 @@ def test_benchmark_runs_one_step(script, tmp_path):
         assert "MFU" in result.stdout and "FAIL" not in result.stdout, result.stdout
     if script == "grpo.py":  # the second accuracy table: the noisy demonstrations, where RL has something to add
         assert "of the SFT lines wrong" in result.stdout, result.stdout
+    if script == "gpu_speed.py":  # a row that does not run is printed with why (no checkout here; fused on a CPU)
+        assert result.stdout.count("skipped: no --nanogpt checkout given") == 3, result.stdout
+        assert "loss fused" in result.stdout and "need a CUDA GPU" in result.stdout, result.stdout
