@@ -20,7 +20,12 @@ with `--ns-dtype fp32` (`train.muon_ns_dtype`) there. The parity part compares b
    machine has cores. The defaults took 34 min on 2 cores under a load of 7-10 (docs/muon.md, Measured).
 2. share: 2 warm-up steps then `--share-steps` timed ones of each model in this script's own ranks
    (forked, one thread each), the optimizer's `step` wrapped with a clock on rank 0 (paralm's metrics
-   time the whole step only). Median optimizer time over median step time.
+   time the whole step only). Median optimizer time over median step time, and the median optimizer time
+   over one process's (when `1proc` is among `--layouts`, first): Distributed Muon shares the
+   Newton-Schulz work among the ranks that split the matrices, so under ZeRO-3 and TP 2 it should fall
+   towards half (issue 52's goal: at most 0.6x under ZeRO-3 on 2 ranks). Also rank 0's CPU seconds in the
+   optimizer (`time.process_time`): the work a rank does, which a machine shared with other jobs does not
+   inflate as it does the wall-clock time when the ranks wait on each other.
 3. parity: the blocks' weight matrices of each model (paralm's `muon_matrices`), stepped by paralm's Muon
    and by `torch.optim.Muon(adjust_lr_fn="match_rms_adamw")` (the lr rule paralm applies) with the
    config's lr, weight decay, momentum and Newton-Schulz steps, on the same seeded random gradients.
@@ -122,17 +127,19 @@ def sections(name: str, optimizer: str, parallel: dict[str, int], ranks: int, ar
 
 
 def _share_rank(rank: int, ranks: int, port: int, config: dict, steps: int, out: str) -> None:
-    """One rank: time `steps` steps and the optimizer's part of each; rank 0 writes both lists."""
+    """One rank: time `steps` steps and the optimizer's part of each, in wall-clock and in this process's CPU
+    seconds (gloo's threads included); rank 0 writes the lists."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ.update(WORLD_SIZE=str(ranks))
     torch.set_num_threads(1)
     with warm_trainer(config, warmup_steps=2) as trainer:
-        optimizer, inner, spent = trainer.optimizer, trainer.optimizer.step, []
+        optimizer, inner, spent, cpu = trainer.optimizer, trainer.optimizer.step, [], []
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             result = inner(*args, **kwargs)
             spent.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             return result
 
         optimizer.step = timed
@@ -144,12 +151,14 @@ def _share_rank(rank: int, ranks: int, port: int, config: dict, steps: int, out:
     if len(spent) != steps:
         raise SystemExit(f"the optimizer's step was timed {len(spent)} times in {steps} steps: it is wrapped")
     if rank == 0:
-        Path(out).write_text(json.dumps({"step": totals, "optimizer": spent}))
+        Path(out).write_text(json.dumps({"step": totals, "optimizer": spent, "cpu": cpu}))
 
 
 def share_rows(name: str, args: argparse.Namespace, scratch: Path) -> list[list[str]]:
-    rows = []
-    for layout, ranks, parallel in (LAYOUTS[key] for key in args.layouts):
+    """One row per layout and optimizer; the optimizer's time beside one process's where that was timed."""
+    rows, optimizer_s = [], {}
+    for key in args.layouts:
+        layout, ranks, parallel = LAYOUTS[key]
         for opt in OPTIMIZERS:
             out = scratch / f"share-{name}-{ranks}-{opt}-{len(rows)}.json"
             with socket.socket() as s:
@@ -160,8 +169,12 @@ def share_rows(name: str, args: argparse.Namespace, scratch: Path) -> list[list[
                 _share_rank, args=(ranks, port, config, args.share_steps, str(out)), nprocs=ranks, start_method="fork"
             )
             times = json.loads(out.read_text())
-            total, optim = statistics.median(times["step"]), statistics.median(times["optimizer"])
-            rows.append([name, layout, opt, f"{1e3 * total:,.0f}", f"{1e3 * optim:,.0f}", f"{optim / total:.0%}"])
+            total, optim, cpu = (statistics.median(times[k]) for k in ("step", "optimizer", "cpu"))
+            optimizer_s[key, opt] = optim, cpu
+            one = optimizer_s.get(("1proc", opt))
+            vs_one = [f"{optim / one[0]:.2f}x", f"{cpu / one[1]:.2f}x"] if one else ["-", "-"]
+            ms = (f"{1e3 * t:,.0f}" for t in (total, optim, cpu))
+            rows.append([name, layout, opt, *ms, f"{optim / total:.0%}", *vs_one])
     return rows
 
 
@@ -244,7 +257,8 @@ def main() -> None:
             rows = [row for name in args.models for row in share_rows(name, args, Path(scratch))]
             print(f"\noptimizer step's share of the step: rank 0, 1 thread per rank, median of {args.share_steps}")
             print(f"Muon's Newton-Schulz in {args.ns_dtype}")
-            print_table(["model", "layout", "optimizer", "step ms", "optimizer ms", "share"], rows)
+            headers = ["model", "layout", "optimizer", "step ms", "optimizer ms", "optimizer CPU ms", "share"]
+            print_table([*headers, "optimizer vs 1 process", "CPU vs 1 process"], rows)
     if "parity" in args.parts:
         rows = [parity_row(name, args.parity_steps) for name in args.models]
         print(f"\nparalm Muon vs torch.optim.Muon on the blocks' matrices, {args.threads} thread(s)")

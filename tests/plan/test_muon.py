@@ -3,12 +3,14 @@
 import dataclasses
 from collections import Counter
 
+import pytest
 import torch
 
 from paralm.models.registry import model_config, model_shape, model_spec
+from paralm.plan import comm
 from paralm.plan.cluster import PRESETS
 from paralm.plan.layout import Workload
-from paralm.plan.muon import muon_gather_bytes, muon_seconds
+from paralm.plan.muon import muon_exchange_seconds, muon_seconds, muon_sharers
 from paralm.plan.muon_counts import muon_matrices as planned_matrices
 from paralm.plan.muon_counts import muon_params, newton_schulz_flops, optimizer_slots
 from paralm.plan.timing import step_time
@@ -61,12 +63,20 @@ def test_newton_schulz_flops_follow_the_iteration():
         assert counter.get_total_flops() == newton_schulz_flops(rows, cols, 3)
 
 
-def test_muon_gathers_only_where_matrices_are_split():
+def test_muon_exchanges_only_where_matrices_are_split():
+    """Split over one group, two all-to-alls of each rank's shards (1/n of the matrices) in the Newton-Schulz
+    dtype; over tp and ZeRO's shards both, an fp32 gather and a broadcast along each; whole, nothing."""
     shape = model_shape(CONFIGS[1])
-    assert muon_gather_bytes(shape, layout(dp_shard=8), 1.0) == 0  # DDP: every rank holds them whole
-    assert muon_gather_bytes(shape, layout(pp=2), 0.5) == 0
-    for split in (layout(dp_shard=8, zero=1), layout(dp_shard=8, zero=3), layout(tp=2)):
-        assert muon_gather_bytes(shape, split, 1.0) == 4 * muon_params(shape)
+    work = Workload(shape, 64, "bf16", "fp32", optimizer_slots(shape), False, "paper", 25 * 2**20, muon_ns_steps=5)
+    assert muon_exchange_seconds(layout(dp_shard=8), work, H100, 1.0) == 0  # DDP: every rank holds them whole
+    assert muon_exchange_seconds(layout(pp=2), work, H100, 0.5) == 0
+    shards = 2 * muon_params(shape) / 8  # bytes of a rank's bf16 shards
+    for split in (layout(dp_shard=8, zero=1), layout(dp_shard=8, zero=3), layout(tp=8)):
+        assert muon_exchange_seconds(split, work, H100, 1.0) == 2 * comm.all_to_all(shards, 8, H100.link(8, 1))
+    both = layout(tp=2, dp_shard=4, zero=3)
+    gathers = comm.all_gather(4 * muon_params(shape), 2, H100.link(2, 1))
+    gathers += comm.all_gather(4 * muon_params(shape), 4, H100.link(4, 2))
+    assert muon_exchange_seconds(both, work, H100, 1.0) == 2 * gathers
 
 
 def test_muon_adds_to_the_optimizer_time_only():
@@ -77,5 +87,22 @@ def test_muon_adds_to_the_optimizer_time_only():
         a, m = step_time(split, adamw, H100), step_time(split, muon, H100)
         assert m.compute_s == a.compute_s and m.dp_comm_s == a.dp_comm_s
         assert m.optimizer_s > a.optimizer_s and muon_seconds(split, muon, H100) > 0
-    ddp, zero3 = (muon_seconds(s, muon, H100) for s in (layout(dp_shard=8), layout(dp_shard=8, zero=3)))
-    assert zero3 > ddp  # the gathers
+
+
+def test_newton_schulz_is_shared_among_the_ranks_that_split_the_matrices():
+    """Distributed Muon (`paralm.train.optim.muon_owners`): ZeRO's shard group times tp share each matrix's
+    Newton-Schulz out, an Nth each but at least the largest matrix; DDP's and HSDP's replicas repeat it; where
+    matrices are split, the exchanges with the owners come on top."""
+    assert [muon_sharers(s) for s in (layout(dp_shard=8), layout(dp_shard=8, zero=1), layout(tp=2))] == [1, 8, 2]
+    assert muon_sharers(layout(dp_replicate=2, dp_shard=4, zero=3)) == 4
+    assert muon_sharers(layout(tp=2, dp_shard=4, zero=3)) == 8
+    shape = model_shape(model_config(n_layer=8, n_head=8, d_model=1024, block_size=512, vocab_size=8192))
+    work = Workload(shape, 64, "bf16", "fp32", optimizer_slots(shape), False, "paper", 25 * 2**20, muon_ns_steps=5)
+    one = muon_seconds(layout(dp_shard=8), work, H100)  # DDP: every replica does all of it, nothing exchanged
+    for split in (layout(dp_shard=8, zero=3), layout(dp_shard=8, zero=1)):
+        exchanges = muon_exchange_seconds(split, work, H100, 1.0)
+        assert exchanges > 0 and muon_seconds(split, work, H100) == pytest.approx(exchanges + one / 8)
+    largest = max(newton_schulz_flops(r, c, 5) for r, c, _ in planned_matrices(shape))
+    total = sum(newton_schulz_flops(r, c, 5) * k for r, c, k in planned_matrices(shape))
+    many = layout(dp_shard=64, zero=3)  # more ranks than pay: one matrix each is the least a rank can do
+    assert total / 64 < largest and muon_seconds(many, work, H100) > one * largest / total

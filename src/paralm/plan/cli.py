@@ -85,6 +85,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from paralm.plan.cluster import parse_cluster
+    from paralm.plan.head import assumed_line
     from paralm.plan.heldout import banded
     from paralm.plan.moe import moe_summary
     from paralm.plan.muon import muon_summary
@@ -131,6 +132,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print()
         return 0
     print(summary(work, cluster, args.recipe, not args.no_overlap))
+    print(assumed_line(work, cluster, plans[0].layout.tp))
     print(error_line())
     if experts := moe_summary(plans[0].layout, work, plans[0].time.ep_comm_s):
         print(experts)

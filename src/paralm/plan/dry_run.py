@@ -34,6 +34,7 @@ from paralm.models.registry import model_spec
 from paralm.parallel.parallelize import ParallelPlan, parallelize
 from paralm.parallel.runtime import rehearsal_runtime
 from paralm.plan.cluster import Cluster
+from paralm.plan.head import assumed_line
 from paralm.plan.heldout import banded
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import stored_states
@@ -121,7 +122,7 @@ def dry_run(
             "--dry-run rehearses a given layout: set it (paralm plan proposes one) instead of parallel.auto"
         )
     dims = ParallelDims.from_config(config.parallel, config.sync, world_size)
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, compile="off"))
+    asked, config = config, dataclasses.replace(config, train=dataclasses.replace(config.train, compile="off"))
     per_stage = world_size // dims.pp
     ranks = []
     for stage in range(dims.pp):
@@ -149,7 +150,7 @@ def dry_run(
     }
     record["ranks"] = ranks
     if cluster is not None:
-        plan = planned_step(config, dims, cluster)
+        plan = planned_step(asked, dims, cluster)  # priced with the compile mode the job trains with
         low, high = plan.band.span(plan.time.total)
         log(
             f"dry run: planned step on {cluster.name} {seconds(plan.time.total)} s ± {plan.band.error:.0%} "
@@ -157,6 +158,7 @@ def dry_run(
             f"{plan.tokens_per_s * plan.time.total / low:,.0f} tokens/s, MFU {plan.mfu * plan.time.total / high:.1%}-"
             f"{plan.mfu * plan.time.total / low:.1%} (band: {plan.band.rows} published runs, {plan.band.basis})"
         )
+        log(f"dry run: {assumed_line(Workload.from_config(asked, 1, RECIPE), cluster, dims.tp)}")
         row = plan.row()
         record["step_time"] = {"cluster": cluster.name} | {
             key: row[key] for key in row if key.startswith(("step_time_s", "tokens_per_s", "mfu", "band_"))

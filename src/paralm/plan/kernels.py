@@ -10,6 +10,7 @@ bandwidth, plus a launch per kernel. Attention is the fused kernel paralm's mode
 scaled_dot_product_attention): two batched matmuls per query head of (s x hd) by (hd x s), with no
 s x s matrix in memory (grouped-query attention shares k and v, not the work). An MoE block adds its
 experts' matmuls on their routed rows and the passes that move those rows into expert order and back.
+The LM head and its loss, priced with the same roofline: `paralm.plan.head`.
 """
 
 from __future__ import annotations
@@ -239,17 +240,3 @@ def block_forward(
     elementwise_bytes = tokens * (e * replicated / seq_split + split_bytes / t) + casts + permutation
     elementwise = elementwise_bytes / cluster.memory_bandwidth + kernels * cluster.kernel_latency
     return BlockTimes(linear, attention, elementwise, attention_backward)
-
-
-def head_forward(
-    cluster: Cluster, dtype: str, shape: ModelShape, sequences: int, t: int, element_bytes: int, cp: int = 1
-) -> float:
-    """The LM head's matmul and the loss: paralm computes it in fp32 over the vocabulary shard (read the
-    logits, write log-probabilities, read them back for the loss and its gradient), on this rank's positions."""
-    tokens, vocab = sequences * shape.block_size // cp, shape.vocab_size / t
-    loss_bytes = tokens * vocab * (element_bytes + 3 * 4)
-    return (
-        matmul(cluster, dtype, tokens, vocab, shape.d_model, element_bytes)
-        + loss_bytes / cluster.memory_bandwidth
-        + 3 * cluster.kernel_latency
-    )

@@ -67,6 +67,12 @@ class Workload:
     # paralm's), or once per optimizer step and kept for its later micro-batches ("step", Transformer Engine's
     # `is_first_microbatch` weight caching, Megatron's): the weights do not change between micro-batches
     float8_weight_casts: str = "forward"
+    # `train.compile = model`: the loss compiled with the model, its elementwise work fused (`paralm.plan.head`)
+    compiled_head: bool = False
+    # `train.loss_impl` (auto | plain | chunked | fused), resolved per layout on the cluster's device
+    # (`paralm.plan.head.resolved`), and `train.loss_chunks`
+    loss_impl: str = "plain"
+    loss_chunks: int = 8
 
     @classmethod
     def from_config(cls, config: Config, global_batch: int, recipe: str) -> Workload:
@@ -93,6 +99,9 @@ class Workload:
             muon_ns_steps=config.train.muon_ns_steps if muon else 0,
             muon_ns_dtype=config.train.muon_ns_dtype,
             lora_adapters=block_adapters(config) if config.train.lora_rank else None,
+            compiled_head=config.train.compile == "model",
+            loss_impl=config.train.loss_impl,
+            loss_chunks=config.train.loss_chunks,
         )
 
     @property

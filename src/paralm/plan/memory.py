@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from paralm.config.zero import per_rank
 from paralm.models.shape import ModelShape
 from paralm.plan.cluster import Cluster
+from paralm.plan.head import loss_bytes, resolved
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload
 from paralm.plan.trained import expert_slots, rank_adapter_params, rank_optimizer_slots
 
@@ -128,7 +129,7 @@ class Memory:
     optim_bytes: float
     activation_bytes: float  # transformer blocks: every micro-batch in flight, plus backward's working set
     embedding_bytes: float  # the embedding's dropout mask (its output is the first block's input)
-    logits_bytes: float  # final norm, logits and loss
+    logits_bytes: float  # final norm, logits and loss, as `train.loss_impl` holds them (`paralm.plan.head`)
     buffer_bytes: float  # communication and cast buffers
     runtime_bytes: float  # the stated allowance of the device's runtime
 
@@ -178,14 +179,6 @@ def sharded_params(params: float, experts: float, layout: Layout) -> float:
     return (params - experts) / layout.shards + experts / layout.expert_shards
 
 
-def logits_bytes(shape: ModelShape, tokens: int, t: int, element_bytes: int) -> float:
-    """Final norm's input and output (2 sbh elements) and the loss's b x s x V tensors alive at the start
-    of backward: fp32 log-probabilities, their gradient and the logits' gradient (paralm computes the
-    loss in fp32), plus the 16-bit gradient cast back under mixed precision. Vocabulary-parallel /t."""
-    vocab = tokens * shape.vocab_size / t
-    return 2 * element_bytes * tokens * shape.d_model + vocab * (12 + (element_bytes if element_bytes < 4 else 0))
-
-
 def rank_held(layout: Layout, work: Workload, rank: Rank) -> tuple[float, float, float]:
     """(parameters, the routed experts among them, those that train) on one device of `rank`: all, or with LoRA
     its adapters, the only ones that train (`paralm.plan.trained`)."""
@@ -223,7 +216,8 @@ def rank_memory(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) ->
 
     embedding = (s * b * shape.d_model / (t if sp else 1) * in_flight) if rank.has_embedding and work.dropout else 0.0
     head_in_flight = layout.pp_microbatches if layout.schedule.holds_all else 1
-    logits = logits_bytes(shape, s * b, t, e) * head_in_flight if rank.has_head else 0.0
+    impl = resolved(work, cluster, t)
+    logits = loss_bytes(work, impl, s * b, t) * head_in_flight if rank.has_head else 0.0
     return Memory(
         states.param_bytes,
         states.grad_bytes,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from paralm.models.shape import ModelShape
+from paralm.train.optim.muon_owners import newton_schulz_cost
 
 
 def muon_matrices(shape: ModelShape) -> tuple[tuple[int, int, int], ...]:
@@ -34,5 +35,5 @@ def optimizer_slots(shape: ModelShape) -> float:
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m**3)
+    """`steps` iterations on a rows x cols matrix, as the optimizer weighs them to share them out."""
+    return steps * newton_schulz_cost((rows, cols))

@@ -29,6 +29,7 @@ from paralm.errors import UserError
 from paralm.models.registry import model_shape
 from paralm.plan.cluster import Cluster, GiB
 from paralm.plan.context import context_parallel_bytes
+from paralm.plan.head import tp_problem
 from paralm.plan.layout import Layout, Workload
 from paralm.plan.memory import Memory, device_memory
 from paralm.plan.schedules import SCHEDULES
@@ -252,6 +253,7 @@ def _layout_groups(
                             ep=ep,
                         )
                         problem = layout_problem(base.apply_to(config), workers + ps_servers, ps_servers)
+                        problem = problem or tp_problem(config.train.loss_impl, tp)
                         if problem:
                             rejected[problem] += 1
                         elif batch % dp:

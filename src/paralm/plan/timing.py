@@ -4,7 +4,7 @@ Stated assumptions:
 - compute: each kernel of a block by a roofline (`kernels`): matmuls at a size-dependent fraction of
   peak, elementwise work at the memory bandwidth, a launch latency per kernel; backward costs the
   weight matmuls twice (input and weight gradients), attention and elementwise work twice; recomputed
-  blocks run their forward again;
+  blocks run their forward again; the head and its loss as `train.loss_impl` computes them (`paralm.plan.head`);
 - context parallelism: a rank computes its s / cp positions (their queries against all s keys), its
   ring or all-to-all traffic as `paralm.plan.context` states;
 - tensor-parallel collectives (2 all-reduces, or all-gather/reduce-scatter pairs with SP, per block
@@ -29,6 +29,7 @@ from paralm.plan import comm, kernels
 from paralm.plan.cluster import Cluster, Link
 from paralm.plan.context import context_parallel_times
 from paralm.plan.data_parallel import data_parallel_times
+from paralm.plan.head import HeadTimes, head_times, resolved
 from paralm.plan.layout import DTYPE_BYTES, Layout, Rank, Workload, group_strides
 from paralm.plan.memory import STATE_RECIPES, block_params, rank_expert_params, rank_params, sharded_params
 from paralm.plan.moe import all_to_all_seconds
@@ -99,8 +100,9 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
         ep=layout.ep,
         float8_weight_share=_float8_weight_share(layout, work),
     )
-    head = kernels.head_forward(cluster, work.dtype, shape, layout.pipeline_batch, t, e, c) if rank.has_head else 0.0
-    head *= 1 + shape.prediction_depth  # multi-token prediction's modules pass through the head again
+    impl = resolved(work, cluster, t)
+    head = head_times(cluster, work, impl, layout.pipeline_batch, t, c) if rank.has_head else HeadTimes(0, 0, 0)
+    head = head.scaled(1 + shape.prediction_depth)  # multi-token prediction's modules pass through the head again
     recomputed = layout.checkpointed_blocks(rank.layers)
     activation = layout.pipeline_batch * layout.sequence(shape) * shape.d_model * e
     cp_f, cp_b = context_parallel_times(layout, work, cluster, block.attention)
@@ -109,10 +111,10 @@ def _micro_batch(layout: Layout, work: Workload, cluster: Cluster, rank: Rank) -
     head_cast = _weight_cast(layout, work, cluster, (shape.head_params or shape.embedding_params) / t)
     casts = rank.layers * cast + rank.has_head * head_cast
     return _MicroBatch(
-        f=rank.layers * block.forward + head + casts,
+        f=rank.layers * block.forward + head.forward + casts,
         r=recomputed * (block.forward + cast),
-        b_in=rank.layers * block.input_gradients + head + casts,
-        w=rank.layers * block.weight_gradients + head,
+        b_in=rank.layers * block.input_gradients + head.input_gradients + casts,
+        w=rank.layers * block.weight_gradients + head.weight_gradients,
         # Megatron's f and g operators: 2 per block each way; the vocabulary-parallel embedding's
         # output all-reduce (forward) and the head's input-gradient all-reduce (backward).
         tp_f=(2 * rank.layers + rank.has_embedding) * all_reduce,

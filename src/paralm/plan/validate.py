@@ -82,6 +82,7 @@ def workload(run: PublishedRun) -> Workload:
         Workload.from_config(run_config(run), run.global_batch, run.recipe),
         float8=run.float8,
         compiled=run.compiled,
+        loss_impl="plain",  # whole logits: torchtitan's cross-entropy, Megatron's vocabulary-parallel one
         attention_kernel=run.attention_kernel,
         ep_dispatch=run.ep_dispatch,
         float8_weight_casts=run.float8_weight_casts,
