@@ -1,4 +1,5 @@
-"""The chunked loss equals the plain one, and keeps no (tokens, vocab) tensor for backward.
+"""The chunked loss equals the plain one, keeps no (tokens, vocab) tensor for backward, and computes its gradients
+in forward, with plain's head matmuls: backward recomputes no logits.
 
 Tolerance: fp32 throughout, the same sums in another order (per chunk, then added), so they differ by rounding
 only (measured ~1e-7 relative on the loss, <= 4e-8 absolute on gradients ~1e-2): 1e-6 relative on the loss, 1e-6
@@ -8,6 +9,7 @@ absolute on each gradient entry.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paralm.models.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_loss
 from paralm.models.registry import FAMILIES, model_config
@@ -54,7 +56,67 @@ def test_chunked_loss_saves_no_logits_for_backward():
     _, plain = _largest_saved(lambda: cross_entropy_loss(F.linear(hidden, weight), targets))
     _, chunked = _largest_saved(lambda: chunked_cross_entropy(hidden, weight, targets, 4, torch.float32))
     assert plain >= logits_size  # what would be saved: the logits (or their log-softmax)
-    assert chunked < logits_size / 4  # the head weight and the hidden states, not even one chunk's logits
+    assert chunked < logits_size / 4  # the weight's and the hidden states' gradients, not even one chunk's logits
+
+
+class _HeadMatmuls(TorchDispatchMode):
+    """Counts the matmuls run while it is active that have an operand `vocab` wide: the head's."""
+
+    OPS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm}
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.overloadpacket in self.OPS and any(self.vocab in getattr(a, "shape", ()) for a in args):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _head_matmuls(loss_fn, vocab: int) -> tuple[int, int]:
+    """The head's matmuls in `loss_fn()` (forward) and in its backward."""
+    with _HeadMatmuls(vocab) as forward:
+        loss = loss_fn()
+    with _HeadMatmuls(vocab) as backward:
+        if loss.requires_grad:
+            loss.backward()
+    return forward.count, backward.count
+
+
+def test_the_chunked_head_costs_plains_matmuls_and_its_backward_recomputes_no_logits():
+    """Forward computes each chunk's gradients with its loss: per chunk the logits, the hidden states' gradient and
+    the weight's, plain's three; backward multiplies by no head at all. A frozen head skips the weight's gradient,
+    and without autograd only the logits are computed."""
+    hidden, weight, targets = _batch()
+    vocab, chunks = weight.shape[0], 4
+    plain_forward, plain_backward = _head_matmuls(lambda: cross_entropy_loss(F.linear(hidden, weight), targets), vocab)
+    assert (plain_forward, plain_backward) == (1, 2)  # the harness sees autograd's matmuls too
+
+    def chunked():
+        return chunked_cross_entropy(hidden, weight, targets, chunks, torch.float32)
+
+    assert _head_matmuls(chunked, vocab) == ((plain_forward + plain_backward) * chunks, 0)
+    with torch.no_grad():
+        assert _head_matmuls(chunked, vocab) == (chunks, 0)
+    weight.requires_grad_(False)
+    assert _head_matmuls(chunked, vocab) == (2 * chunks, 0)
+
+
+def test_the_chunked_loss_compiles_into_one_graph_as_eager_computes_it():
+    """`train.compile = model` traces the loss with the step: fullgraph fails on a graph break, aot_eager traces
+    autograd's backward too; under no_grad the forward alone."""
+    hidden, weight, targets = _batch()
+
+    def loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, weight, targets, 3, torch.float32)
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    eager = torch.autograd.grad(loss(hidden, weight), (hidden, weight))
+    for ours, theirs in zip(torch.autograd.grad(compiled(hidden, weight), (hidden, weight)), eager, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(hidden, weight), loss(hidden, weight), rtol=1e-6, atol=0)
 
 
 def test_a_frozen_head_gets_no_gradient():

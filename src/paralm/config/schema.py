@@ -109,7 +109,7 @@ class TrainConfig:
     loss_impl: str = option(
         "plain",
         "the head's matmul and cross-entropy: plain (whole (tokens, vocab) logits), chunked (train.loss_chunks slices "
-        "of the tokens at a time, their logits recomputed in backward), fused (Liger Kernel's, on CUDA); auto: fused "
+        "of the tokens at a time, their gradients computed in forward), fused (Liger Kernel's, on CUDA); auto: fused "
         "where Liger Kernel is installed, the device is CUDA and parallel.tp = 1, else chunked",
         ("auto", "plain", "chunked", "fused"),
     )

@@ -46,7 +46,9 @@ def chunked_cross_entropy(
     head), computed over `chunks` slices of the tokens: peak memory holds one slice's logits, not all of them.
     `hidden` (..., d_model) and `targets` (...) flatten alike; `weight` (vocab rows, d_model) is `shard`'s rows."""
     hidden, targets = hidden.flatten(0, -2), targets.flatten()
-    return normalised(_ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunks, dtype, shard), targets, tokens)
+    grads = (hidden.requires_grad, weight.requires_grad) if torch.is_grad_enabled() else (False, False)
+    summed = _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunks, dtype, shard, grads)
+    return normalised(summed, targets, tokens)
 
 
 def normalised(summed: torch.Tensor, targets: torch.Tensor, tokens: float | None) -> torch.Tensor:
@@ -55,52 +57,58 @@ def normalised(summed: torch.Tensor, targets: torch.Tensor, tokens: float | None
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """The summed loss of the trained targets, in fp32, a chunk of tokens at a time. Backward recomputes each
-    chunk's logits from the saved hidden states, turns them into the softmax minus the one-hot target and
-    accumulates the hidden states' and the weight's gradients; the gradient's scale and the mask are applied to
-    the (tokens, d_model) sides of those matmuls, not to the (tokens, vocab) ones, which the CPU streams through
-    memory. The dtypes are set here, not by the caller's autocast (a pipeline computes its loss outside it)."""
+    """The summed loss of the trained targets, in fp32, a chunk of tokens at a time, and in the same pass its
+    gradients (as Liger Kernel's fused linear cross-entropy does): each chunk's logits, once its loss is read off,
+    become the softmax minus the one-hot target and are multiplied into the hidden states' and the weight's
+    gradients there and then, so backward only scales those by the loss's incoming gradient. The head costs the
+    3 matmuls of plain's (recomputing the logits in backward would cost a 4th); what forward keeps for backward is
+    a weight-sized fp32 gradient (and one the size of the hidden states), not the inputs. `grads`: which inputs'
+    gradients to compute (forward cannot tell: autograd runs it under no_grad, and `ctx.needs_input_grad` ignores
+    the caller's no_grad); none, and nothing is kept. The softmax's normaliser and the mask scale each token's
+    row, on the (tokens, d_model) sides of those matmuls, not the (tokens, vocab) ones, which the CPU streams
+    through memory. The dtypes are set here, not by the caller's autocast (a pipeline computes its loss outside
+    it)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunks, dtype, shard):  # noqa: ANN001, ANN205
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # kept over a group only
+    def forward(ctx, hidden, weight, targets, chunks, dtype, shard, grads):  # noqa: ANN001, ANN205
+        need_hidden, need_weight = grads
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
             for rows in _chunks(hidden.shape[0], chunks):
-                logits = (hidden[rows].to(dtype) @ head.mT).float()
-                if shard.group is None:  # the whole vocabulary: cross-entropy's own fused kernel
-                    total += F.cross_entropy(logits, targets[rows], reduction="sum", ignore_index=IGNORE_INDEX)
+                inputs = hidden[rows].to(dtype)
+                logits = (inputs @ head.mT).float()
+                sums, losses = _exponentials_and_losses(logits, targets[rows], shard)
+                trained = targets[rows] != IGNORE_INDEX
+                total += (losses * trained).sum()
+                if not (need_hidden or need_weight):
                     continue
-                lse[rows], target = _log_sum_exp_and_target(logits, targets[rows], shard)
-                total += ((lse[rows] - target) * (targets[rows] != IGNORE_INDEX)).sum()
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunks, ctx.dtype, ctx.shard = chunks, dtype, shard
+                # each token's sum subtracted at its target: the softmax minus the one-hot target, times that
+                # sum, which `scale` divides out on the (tokens, d_model) side
+                column, here = _target_columns(targets[rows], shard.offset, weight.shape[0])
+                grad_logits = logits.scatter_add_(1, column[:, None], -(sums * here)[:, None]).to(dtype)
+                scale = (trained / sums)[:, None]  # an ignored target: no gradient
+                if need_hidden:
+                    grad_hidden[rows] = (grad_logits @ head) * scale
+                if need_weight:
+                    _accumulate(grad_weight, grad_logits.mT, (inputs * scale).to(dtype))
+        if need_hidden or need_weight:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):  # noqa: ANN001, ANN205
-        hidden, weight, targets, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            head = weight.to(ctx.dtype)
-            for rows in _chunks(hidden.shape[0], ctx.chunks):
-                inputs = hidden[rows].to(ctx.dtype)
-                logits = (inputs @ head.mT).float()
-                # the softmax over the whole vocabulary: torch's fused kernel, or over a group this rank's columns
-                grouped = ctx.shard.group is not None
-                probs = logits.sub_(lse[rows, None]).exp_() if grouped else torch.softmax(logits, dim=1)
-                column, here = _target_columns(targets[rows], ctx.shard.offset, weight.shape[0])
-                grad_logits = probs.scatter_add_(1, column[:, None], -here[:, None].float()).to(ctx.dtype)
-                scale = (grad_total * (targets[rows] != IGNORE_INDEX))[:, None]  # an ignored target: no gradient
-                if need_hidden:
-                    grad_hidden[rows] = (grad_logits @ head) * scale
-                if need_weight:
-                    _accumulate(grad_weight, grad_logits.mT, (inputs * scale).to(ctx.dtype))
-        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
-        return grad_hidden, grad_weight, None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # scaled in place, no second weight-sized buffer: autograd refuses a second backward (the saved tensors
+        # changed) rather than scaling them twice
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_total)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _chunks(n: int, chunks: int) -> list[slice]:
@@ -116,10 +124,11 @@ def _target_columns(targets: torch.Tensor, offset: int, rows: int) -> tuple[torc
     return column.clamp(0, rows - 1), here
 
 
-def _log_sum_exp_and_target(
+def _exponentials_and_losses(
     logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's log-sum-exp over the whole vocabulary and its target's logit (consumes `logits`). Over a
+    """Turns `logits` into exp(logits - each token's max over the whole vocabulary), in place (over their sum, the
+    softmax), and returns those sums and each token's loss: its log-sum-exp less its target's logit. Over a
     vocabulary-parallel group: the max all-reduced first, then the sums of exponentials and the target logits
     (held by one rank each) in one all-reduce, as `loss_parallel` reduces them."""
     column, here = _target_columns(targets, shard.offset, logits.shape[1])
@@ -130,7 +139,7 @@ def _log_sum_exp_and_target(
     sums = torch.stack([logits.sub_(top[:, None]).exp_().sum(dim=1), target])
     if shard.group is not None:
         dist.all_reduce(sums, group=shard.group)
-    return top + sums[0].log(), sums[1]
+    return sums[0], top + sums[0].log() - sums[1]
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -3,9 +3,10 @@
 - plain: the model applies its head and the loss reads the whole (tokens, vocab) logits (`cross_entropy_loss`;
   under tensor parallelism sharded over the vocabulary, under `loss_parallel`).
 - chunked: the model stops at its final norm (`forward(hidden=True)`) and `chunked_cross_entropy` multiplies by
-  the weight of the family's head (`ModelSpec.head`) a slice of the tokens at a time, recomputing each slice's
-  logits in backward. Under tensor parallelism each rank multiplies by its vocabulary rows of the weight and the
-  log-sum-exp is reduced over the group, as `loss_parallel` does: no rank holds the whole vocabulary's logits.
+  the weight of the family's head (`ModelSpec.head`) a slice of the tokens at a time, computing each slice's
+  gradients in forward with its loss (plain's three head matmuls; backward only scales them). Under tensor
+  parallelism each rank multiplies by its vocabulary rows of the weight and the log-sum-exp is reduced over the
+  group, as `loss_parallel` does: no rank holds the whole vocabulary's logits.
 - fused: Liger Kernel's fused linear cross-entropy (Triton kernels: CUDA only, and one tensor-parallel rank).
 
 The target mask and the normalisation over the global batch's trained tokens are the loss's, whichever computes
@@ -87,10 +88,11 @@ def build_loss_head(train: TrainConfig, dtype: str, device: torch.device, tp: in
     return PlainHead()
 
 
-def loss_impl(name: str, device_type: str, tp: int) -> str:
+def loss_impl(name: str, device_type: str, tp: int, liger_installed: bool | None = None) -> str:
     """`train.loss_impl` with auto resolved (fused where it runs, else chunked); a one-line `UserError` where
-    fused is asked for and cannot run."""
-    problem = _fused_problem(device_type, tp)
+    fused is asked for and cannot run. `liger_installed`: whether Liger Kernel is there (None: look here; the
+    planner assumes it on the GPUs it plans for)."""
+    problem = _fused_problem(device_type, tp, liger_installed)
     if name == "auto":
         return "chunked" if problem else "fused"
     if name == "fused" and problem:
@@ -98,10 +100,12 @@ def loss_impl(name: str, device_type: str, tp: int) -> str:
     return name
 
 
-def _fused_problem(device_type: str, tp: int) -> str | None:
+def _fused_problem(device_type: str, tp: int, liger_installed: bool | None) -> str | None:
     if device_type != "cuda":
         return f"runs Liger Kernel's Triton kernels, which need a CUDA GPU (the device is {device_type})"
-    if importlib.util.find_spec("liger_kernel") is None:
+    if liger_installed is None:
+        liger_installed = importlib.util.find_spec("liger_kernel") is not None
+    if not liger_installed:
         return "needs Liger Kernel, which is not installed (pip install liger-kernel)"
     if tp > 1:
         return "computes the whole vocabulary on one rank, and parallel.tp > 1 shards it"
