@@ -107,7 +107,7 @@ class TrainConfig:
     lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input (the frozen path sees x unchanged)")
     max_bad_steps: int = option(5, "NaN/inf loss or gradient norm: steps skipped in a row before the run stops")
     loss_impl: str = option(
-        "plain",
+        "auto",
         "the head's matmul and cross-entropy: plain (whole (tokens, vocab) logits), chunked (train.loss_chunks slices "
         "of the tokens at a time, their gradients computed in forward), fused (Liger Kernel's, on CUDA); auto: fused "
         "where Liger Kernel is installed, the device is CUDA and parallel.tp = 1, else chunked",
