@@ -329,7 +329,9 @@ def main() -> None:
             except Exception as error:  # the figures measured are kept
                 row.result |= {"failed": True, "note": f"planner: {type(error).__name__}: {error}"[:160]}
             failed |= row.result.get("failed", False)
-            print(f"{row.model}, {row.batch}, {row.setting}: {row.result}", file=sys.stderr, flush=True)
+            r = row.result  # a progress line: what ran survives a run cut short by its time limit
+            done = f"{r['seconds'] * 1e3:.1f} ms a step" if "seconds" in r else r.get("note", "")
+            print(f"{row.model}, batch {row.batch}, {row.setting}: {done}", file=sys.stderr, flush=True)
     print(*header(args, planner_line), sep="\n")
     print(f"budget: {args.budget:.0f} s for the rows; they took {time.perf_counter() - start:.0f} s")
     headers = ["model", "batch", "setting", "tok/s", "MFU", "peak mem", "step ms", "planned ms", "planned/measured"]

@@ -26,6 +26,7 @@ from tests.parallel.model_parallel import merged, one_step
 
 VOCAB = 4096  # the logits (tokens x vocab) outweigh every weight and activation of the tiny model
 CHUNKED = {"loss_impl": "chunked", "loss_chunks": 4}
+PLAIN = {"loss_impl": "plain"}  # the reference (the default is auto: chunked on a CPU)
 
 
 def assert_same_gradients(reference: dict[str, torch.Tensor], chunked: dict[str, torch.Tensor]) -> None:
@@ -131,7 +132,7 @@ def _vocabulary_parallel_masked(mesh) -> tuple[float, float, float]:
 def test_tensor_parallel_chunked_head_matches_the_plain_one(tmp_path):
     configs = [
         tiny_config(tmp_path / name, model={"vocab_size": VOCAB}, parallel={"tp": 2, "sequence_parallel": sp}, train=t)
-        for name, sp, t in (("plain", False, {}), ("chunked", False, CHUNKED), ("chunked_sp", True, CHUNKED))
+        for name, sp, t in (("plain", False, PLAIN), ("chunked", False, CHUNKED), ("chunked_sp", True, CHUNKED))
     ]
     for masked, (plain_loss, plain_grads, plain_saved), *chunked in run_ranks(_one_steps, 2, tmp_path, configs, True):
         assert max(masked) <= 1e-6, masked
@@ -147,7 +148,7 @@ def test_tensor_parallel_chunked_head_matches_the_plain_one(tmp_path):
 def test_a_pipelines_last_stage_chunked_head_matches_the_plain_one(tmp_path):
     configs = [
         tiny_config(tmp_path / name, model={"vocab_size": VOCAB}, parallel={"pp": 2, "pp_microbatches": 2}, train=t)
-        for name, t in (("plain", {}), ("chunked", CHUNKED))
+        for name, t in (("plain", PLAIN), ("chunked", CHUNKED))
     ]
     first, last = run_ranks(_one_steps, 2, tmp_path, configs, False)
     (plain_loss, _, plain_saved), (loss, _, saved) = last  # the loss is the last stage's

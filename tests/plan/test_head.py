@@ -116,7 +116,8 @@ def test_a_dry_run_prices_the_compile_mode_the_job_trains_with(tmp_path, capsys)
     """The rehearsal builds the model eager, but its planned step is the job's: compiled blocks, priced so."""
     steps = {}
     for mode in ("off", "blocks"):
-        argv = [*SMALL_LLAMA, "--parallel.zero=3", f"--train.compile={mode}", f"--run.dir={tmp_path / mode}"]
+        argv = [*SMALL_LLAMA, "--parallel.zero=3", f"--train.compile={mode}", "--train.loss_impl=plain"]
+        argv.append(f"--run.dir={tmp_path / mode}")
         assert main(["train", *argv, "--dry-run", "8", "--cluster", "h100"]) == 0
         assert f"dry run: assumed: train.loss_impl = plain; train.compile = {mode}" in capsys.readouterr().out
         steps[mode] = json.loads((tmp_path / mode / "dry_run.json").read_text())["step_time"]["step_time_s"]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _without_autocast(hidden.device.type):
             head = weight.to(dtype)
             for rows in _chunks(hidden.shape[0], chunks):
                 inputs = hidden[rows].to(dtype)
@@ -102,13 +103,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):  # noqa: ANN001, ANN205
         grad_hidden, grad_weight = ctx.saved_tensors
-        # scaled in place, no second weight-sized buffer: autograd refuses a second backward (the saved tensors
-        # changed) rather than scaling them twice
+        # scaled into new tensors, not in place: a zero-bubble pipeline runs this backward twice (once for the
+        # stage's input, once for its weights), each time from the saved gradients
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_total)
+            grad_hidden = grad_hidden * grad_total
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _without_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for `device_type`, where it has autocast at all (the meta device has none)."""
+    available = torch.amp.is_autocast_available(device_type)
+    return torch.autocast(device_type, enabled=False) if available else contextlib.nullcontext()
 
 
 def _chunks(n: int, chunks: int) -> list[slice]:
