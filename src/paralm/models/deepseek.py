@@ -158,7 +158,7 @@ class DeepSeek(Llama):
         mask = None
         if documents is not None:
             flex = flex_fits(documents.device, self.config, cache is not None)
-            positions, mask = document_positions(documents), packed_mask(documents, 0, flex)
+            positions, mask = document_positions(documents), packed_mask(documents, self.attention_window(), flex)
         self.mtp(normed, x, self._embed, None if hidden else self.output, positions, mask)
         return normed if hidden else self.output(normed)
 
